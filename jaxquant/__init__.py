@@ -1,0 +1,45 @@
+"""jaxquant: pure, jit-compiled quantization for JAX.
+
+`quantize` turns float arrays into `QTensor` records of integer or float8/4
+codes, bit for bit as ONNX QuantizeLinear; `dequantize` turns them back;
+`fake_quant` does both with straight-through gradients for training; and
+`quantize_tree` converts whole parameter pytrees by path rules.
+"""
+
+from jaxquant._fake_quant import fake_quant
+from jaxquant._formats import FORMATS, Format, get_format
+from jaxquant._packing import PackedArray, pack, pack_bits, unpack, unpack_bits
+from jaxquant._qtensor import QTensor, is_qtensor
+from jaxquant._quantize import dequantize, quantize
+from jaxquant._tree import (
+    QuantSpec,
+    dequantize_tree,
+    match_rules,
+    quantize_tree,
+    tree_nbytes,
+    unused_rules,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "FORMATS",
+    "Format",
+    "PackedArray",
+    "QTensor",
+    "QuantSpec",
+    "dequantize",
+    "dequantize_tree",
+    "fake_quant",
+    "get_format",
+    "is_qtensor",
+    "match_rules",
+    "pack",
+    "pack_bits",
+    "quantize",
+    "quantize_tree",
+    "tree_nbytes",
+    "unpack",
+    "unpack_bits",
+    "unused_rules",
+]

@@ -1,0 +1,182 @@
+"""`fake_quant`: quantize-dequantize with straight-through gradients.
+
+One module-level `jax.custom_vjp` carries both estimators:
+
+* Clipped straight-through estimator (STE) for ``x`` (Bengio et al., 2013,
+  arXiv:1308.3432): the gradient is 1 where the unclipped code
+  ``rint(x / scale) + zero_point`` lies in ``[qmin, qmax]`` and 0 elsewhere,
+  as ``torch.fake_quantize_per_tensor_affine``.
+* LSQ / LSQ+ for ``scale`` and ``zero_point`` (Esser et al., 2020,
+  arXiv:1902.08153; Bhalgat et al., 2020, arXiv:2004.09576), equal to
+  PyTorch's ``_fake_quantize_learnable_per_{tensor,channel}_affine`` with
+  ``grad_factor=1``: per element, with ``q = rint(x / s) + z`` unclipped,
+
+  - ``d/ds = (fq(x) - x) / s`` inside the range, ``qmin - z`` below it and
+    ``qmax - z`` above it;
+  - ``d/dz = 0`` inside the range and ``-s`` outside it;
+
+  summed over each group that shares a scale. The zero point is rounded (and
+  clamped) in the forward pass and passed straight through in the backward
+  pass. ``lsq_grad_scale=True`` multiplies both by ``1 / sqrt(N * qmax)``, the
+  gradient scale of the LSQ paper (``N`` elements per scale).
+
+Float formats (float8, float4) use the same rules with ``qmin/qmax`` the
+largest finite magnitude and no zero point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike, DTypeLike
+
+from jaxquant._formats import get_format
+from jaxquant._granularity import Layout, expand, group_reduce, layout_from_args, layout_from_scale
+from jaxquant._qtensor import check_zero_point
+from jaxquant._quantize import as_float_input
+from jaxquant._rounding import divide, round_to_codes
+from jaxquant._scales import compute_scale
+
+__all__ = ["fake_quant"]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+    dtype: np.dtype
+    layout: Layout
+    saturate: bool
+    grad_scale: bool
+
+
+def fake_quant(
+    x: ArrayLike,
+    scale: ArrayLike | None = None,
+    zero_point: ArrayLike | None = None,
+    *,
+    dtype: DTypeLike = jnp.int8,
+    axis: int | None = None,
+    block_size: int | None = None,
+    symmetric: bool = True,
+    saturate: bool = True,
+    lsq_grad_scale: bool = False,
+) -> jax.Array:
+    """``dequantize(quantize(x, ...))`` in ``x``'s dtype, with STE/LSQ gradients.
+
+    Arguments and the value are those of `jaxquant.quantize` followed by
+    `jaxquant.dequantize`. Gradients (see the module docstring for the rules):
+    clipped STE for ``x``; LSQ/LSQ+ for ``scale`` and a float ``zero_point``
+    (a zero point of the code dtype is a constant); in computed mode the scale
+    is a constant of the backward pass.
+
+    Args:
+      x: float array.
+      scale: ``None`` (computed mode) or float scales in an ONNX layout.
+      zero_point: ``None``, zero points of the code dtype, or float zero
+        points (learnable; rounded in the forward pass). Integer formats only
+        for non-zero values.
+      dtype: the format.
+      axis: the quantized axis.
+      block_size: block length along ``axis``.
+      symmetric: computed mode only, as in `quantize`.
+      saturate: float formats only, as in `quantize`.
+      lsq_grad_scale: multiply the scale and zero-point gradients by
+        ``1 / sqrt(N * qmax)`` (LSQ's gradient scale).
+
+    Returns:
+      An array of ``x``'s shape and dtype.
+
+    Raises:
+      TypeError, ValueError: as `quantize`.
+
+    Example:
+      >>> import jax, jax.numpy as jnp
+      >>> x = jnp.array([0.3, 1.0, 9.0])
+      >>> fake_quant(x, jnp.float32(0.5), dtype=jnp.int4)
+      Array([0.5, 1. , 3.5], dtype=float32)
+      >>> jax.grad(lambda x: fake_quant(x, jnp.float32(0.5), dtype=jnp.int4).sum())(x)
+      Array([1., 1., 0.], dtype=float32)
+    """
+    fmt = get_format(dtype)
+    x = as_float_input(x)
+    if scale is None:
+        if zero_point is not None:
+            raise ValueError("zero_point was given without scale; pass both, or neither.")
+        if not symmetric and not fmt.is_integer:
+            raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "
+                             f"zero point.")
+        layout = layout_from_args(x.shape, axis, block_size)
+        scale, zero_point = compute_scale(x, fmt, layout, bool(symmetric))
+    else:
+        scale = jnp.asarray(scale)
+        if not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
+        layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
+    if zero_point is not None:
+        zero_point = jnp.asarray(zero_point)
+        if zero_point.shape != scale.shape:
+            raise ValueError(f"zero_point must have the shape of scale, {scale.shape}; got "
+                             f"{zero_point.shape}.")
+        if not (fmt.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)):
+            check_zero_point(zero_point, fmt)
+            zero_point = jax.lax.stop_gradient(zero_point)
+        zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
+    config = _Config(fmt.dtype, layout, bool(saturate), bool(lsq_grad_scale))
+    out = _fake_quant(x, scale.astype(jnp.float32), zero_point, config)
+    return out
+
+
+def _codes(x, scale, zero_point, config: _Config):
+    """(unclipped float codes, clipped float codes, rounded zero point or None)."""
+    fmt = get_format(config.dtype)
+    s = expand(scale, x.shape, config.layout)
+    t = divide(x.astype(jnp.float32), s)
+    if not fmt.is_integer:
+        return t, round_to_codes(t, None, fmt, config.saturate).astype(jnp.float32), None, s
+    zp = None
+    r = jnp.round(t)
+    if zero_point is not None:
+        zp = expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x.shape, config.layout)
+        r = r + zp
+    return r, jnp.clip(r, fmt.qmin, fmt.qmax), zp, s
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fake_quant(x, scale, zero_point, config: _Config):
+    _, q, zp, s = _codes(x, scale, zero_point, config)
+    return ((q if zp is None else q - zp) * s).astype(x.dtype)
+
+
+def _fake_quant_fwd(x, scale, zero_point, config):
+    return _fake_quant(x, scale, zero_point, config), (x, scale, zero_point)
+
+
+def _fake_quant_bwd(config: _Config, residuals, g):
+    x, scale, zero_point = residuals
+    fmt = get_format(config.dtype)
+    raw, q, zp, s = _codes(x, scale, zero_point, config)
+    g = g.astype(jnp.float32)
+    lo, hi = (fmt.qmin, fmt.qmax) if (fmt.is_integer or config.saturate) else (-np.inf, np.inf)
+    inside = (raw >= lo) & (raw <= hi)
+    dx = jnp.where(inside, g, 0.0).astype(x.dtype)
+    zpv = 0.0 if zp is None else zp
+    xf = x.astype(jnp.float32)
+    fq = (q - zpv) * s
+    edge = jnp.where(raw < lo, jnp.float32(fmt.qmin) - zpv, jnp.float32(fmt.qmax) - zpv)
+    dscale = g * jnp.where(inside, (fq - xf) / s, edge)
+    factor = 1.0
+    if config.grad_scale:
+        factor = 1.0 / math.sqrt(config.layout.group_size(x.shape) * fmt.qmax)
+
+    def to_scale(v):
+        return (group_reduce(v, config.layout, jnp.sum) * factor).reshape(scale.shape)
+
+    dzp = None if zero_point is None else to_scale(jnp.where(inside, 0.0, -g * s))
+    return dx, to_scale(dscale), dzp
+
+
+_fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)

@@ -1,0 +1,203 @@
+"""Granularity: which elements share a scale, in ONNX's layouts.
+
+Three layouts, told apart by the shape of ``scale`` (explicit mode) or by
+``axis``/``block_size`` (computed mode):
+
+* per-tensor: one scale for the whole array (``scale.size == 1``);
+* per-axis: ``scale.shape == (x.shape[axis],)``;
+* blocked: ``scale`` has ``x``'s rank, with ``ceil(x.shape[axis] / block_size)``
+  entries along ``axis`` (the last block may be partial) and ``x``'s size
+  elsewhere.
+
+This module validates those layouts, broadcasts a scale back to ``x``'s shape
+and reduces ``x`` over each group of elements that share a scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+__all__ = ["Layout", "layout_from_scale", "layout_from_args", "expand", "group_reduce"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A resolved granularity.
+
+    Attributes:
+      kind: ``"tensor"``, ``"axis"`` or ``"block"``.
+      axis: the non-negative axis (``None`` for per-tensor).
+      block_size: the block length (only for ``"block"``).
+    """
+
+    kind: Literal["tensor", "axis", "block"]
+    axis: int | None = None
+    block_size: int | None = None
+
+    def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
+        """The shape of the scale of an array of ``shape`` in this layout."""
+        if self.kind == "tensor":
+            return ()
+        if self.kind == "axis":
+            return (shape[self.axis],)
+        s = list(shape)
+        s[self.axis] = -(-shape[self.axis] // self.block_size)
+        return tuple(s)
+
+    def group_size(self, shape: tuple[int, ...]) -> int:
+        """How many elements share one scale (the largest group, for partial blocks)."""
+        if self.kind == "tensor":
+            return math.prod(shape)
+        if self.kind == "axis":
+            return math.prod(shape) // max(shape[self.axis], 1)
+        return math.prod(shape) // max(shape[self.axis], 1) * min(self.block_size, shape[self.axis])
+
+
+def normalize_axis(axis: int, ndim: int, argname: str = "axis") -> int:
+    """Returns ``axis`` as a non-negative int, or raises a ValueError naming it."""
+    if isinstance(axis, bool) or not isinstance(axis, int):
+        raise TypeError(f"{argname} must be an int or None, got {axis!r}.")
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"{argname} must be in [{-ndim}, {ndim}) for an input of rank {ndim}, got {axis}."
+        )
+    return axis % ndim
+
+
+def _check_block_size(block_size) -> None:
+    if isinstance(block_size, bool) or not isinstance(block_size, int):
+        raise TypeError(f"block_size must be a positive int or None, got {block_size!r}.")
+    if block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size}.")
+
+
+def layout_from_args(shape: tuple[int, ...], axis: int | None, block_size: int | None) -> Layout:
+    """The layout that ``axis``/``block_size`` describe (computed mode).
+
+    Raises:
+      ValueError: ``axis`` out of range, ``block_size <= 0``, or ``block_size``
+        without ``axis``.
+    """
+    if block_size is not None:
+        _check_block_size(block_size)
+        if axis is None:
+            raise ValueError("block_size requires axis: the axis that is split into blocks.")
+        return Layout("block", normalize_axis(axis, len(shape)), block_size)
+    if axis is None:
+        return Layout("tensor")
+    return Layout("axis", normalize_axis(axis, len(shape)))
+
+
+def layout_from_scale(
+    shape: tuple[int, ...],
+    scale_shape: tuple[int, ...],
+    axis: int | None,
+    block_size: int | None,
+    argname: str = "scale",
+) -> Layout:
+    """The layout that an explicit scale's shape selects, as ONNX does.
+
+    Args:
+      shape: the shape of ``x``.
+      scale_shape: the shape of the given scale (or zero point).
+      axis: the ``axis`` argument (may be negative; ignored for per-tensor).
+      block_size: the ``block_size`` argument (``None`` or ``0``: not blocked).
+      argname: the argument to cite in error messages.
+
+    Raises:
+      ValueError: if the scale's shape fits no layout, naming the expected shape.
+    """
+    if block_size:
+        layout = layout_from_args(shape, axis, block_size)
+        expected = layout.scale_shape(shape)
+        if tuple(scale_shape) != expected:
+            raise ValueError(
+                f"{argname} must have shape {expected} for blocked quantization of an input "
+                f"of shape {tuple(shape)} with axis={axis}, block_size={block_size}; "
+                f"got {tuple(scale_shape)}."
+            )
+        return layout
+    if block_size is not None:
+        _check_block_size(block_size)
+    if math.prod(scale_shape) == 1 and len(scale_shape) <= 1:
+        return Layout("tensor")
+    if len(scale_shape) != 1:
+        raise ValueError(
+            f"{argname} must have one element (per-tensor) or be 1-D (per-axis) unless "
+            f"block_size is given; got shape {tuple(scale_shape)}."
+        )
+    if axis is None:
+        raise ValueError(
+            f"axis is required for a per-axis {argname} of shape {tuple(scale_shape)}."
+        )
+    a = normalize_axis(axis, len(shape))
+    if scale_shape[0] != shape[a]:
+        raise ValueError(
+            f"{argname} must have shape ({shape[a]},) for per-axis quantization along "
+            f"axis {axis} of an input of shape {tuple(shape)}; got {tuple(scale_shape)}."
+        )
+    return Layout("axis", a)
+
+
+def expand(v: jax.Array, shape: tuple[int, ...], layout: Layout) -> jax.Array:
+    """Broadcasts a scale-shaped ``v`` so that it lines up with ``x`` of ``shape``.
+
+    Per-tensor gives a scalar, per-axis a rank-``len(shape)`` array with ones
+    elsewhere, blocked the full shape (each entry repeated over its block).
+    """
+    if layout.kind == "tensor":
+        return jnp.reshape(v, ())
+    if layout.kind == "axis":
+        dims = [1] * len(shape)
+        dims[layout.axis] = shape[layout.axis]
+        return jnp.reshape(v, dims)
+    a, n, bs = layout.axis, shape[layout.axis], layout.block_size
+    nb = v.shape[a]
+    # Broadcast along a new axis after `a`, then merge: XLA fuses this into the consumer.
+    v = jnp.expand_dims(v, a + 1)
+    full = list(v.shape)
+    full[a + 1] = bs
+    v = jnp.broadcast_to(v, full).reshape(shape[:a] + (nb * bs,) + shape[a + 1:])
+    return lax.slice_in_dim(v, 0, n, axis=a) if nb * bs != n else v
+
+
+def group_reduce(
+    x: jax.Array,
+    layout: Layout,
+    reducer: Callable[..., jax.Array],
+    pad_value: float = 0.0,
+) -> jax.Array:
+    """Reduces ``x`` over each group of elements sharing a scale.
+
+    Args:
+      x: the array.
+      layout: its granularity.
+      reducer: ``jnp.max``, ``jnp.min``, ``jnp.sum``... taking ``axis=`` (a tuple).
+      pad_value: fills a partial last block; pick the reducer's identity, or a
+        value that cannot change the result (0.0 for absmax, sums, and ranges
+        that include zero).
+
+    Returns:
+      An array of ``layout.scale_shape(x.shape)``.
+    """
+    shape = x.shape
+    if layout.kind == "tensor":
+        return reducer(x)
+    a = layout.axis
+    if layout.kind == "axis":
+        return reducer(x, axis=tuple(i for i in range(x.ndim) if i != a))
+    n, bs = shape[a], layout.block_size
+    nb = -(-n // bs)
+    if nb * bs != n:
+        pad = [(0, 0)] * x.ndim
+        pad[a] = (0, nb * bs - n)
+        x = jnp.pad(x, pad, constant_values=pad_value)
+    x = x.reshape(shape[:a] + (nb, bs) + shape[a + 1:])
+    return reducer(x, axis=(a + 1,))

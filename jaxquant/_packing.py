@@ -1,0 +1,206 @@
+"""Sub-byte packing: int4/uint4/float4_e2m1fn two per byte, int2/uint2 four per byte.
+
+The layout is ONNX's: along the packed axis, consecutive codes share a byte,
+the first in the lowest bits (``byte = c0 | c1 << 4`` for 4-bit codes,
+``c0 | c1 << 2 | c2 << 4 | c3 << 6`` for 2-bit codes). A partial last byte is
+padded with zero bits. ONNX packs the flattened tensor, which is this layout
+along the last axis of a 1-D view; `pack` can pack along any axis so that a
+weight matrix keeps its rows (for sharding and for unpacking inside a dot).
+
+`PackedArray` is the storage record. It stands in for a code array inside a
+`QTensor`: its ``dtype`` is the format and its ``shape`` the logical shape, so
+the QTensor invariants hold whether the codes are packed or not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.typing import DTypeLike
+
+from jaxquant._formats import get_format
+from jaxquant._granularity import normalize_axis
+
+__all__ = ["PackedArray", "pack", "unpack", "pack_bits", "unpack_bits"]
+
+_UNSIGNED = {2: jnp.uint2, 4: jnp.uint4}
+
+
+def _check_packable(dtype) -> int:
+    fmt = get_format(dtype)
+    if fmt.bits not in (2, 4):
+        raise TypeError(
+            f"only 2- and 4-bit formats are packed, got {fmt.name} ({fmt.bits} bits)."
+        )
+    return fmt.bits
+
+
+def pack_bits(codes: jax.Array, axis: int = -1) -> jax.Array:
+    """Packs 2- or 4-bit codes into uint8 bytes along ``axis``.
+
+    Args:
+      codes: an array of int2/uint2/int4/uint4/float4_e2m1fn codes.
+      axis: the axis along which consecutive codes share a byte.
+
+    Returns:
+      A uint8 array of ``codes``'s shape except ``ceil(n * bits / 8)`` along ``axis``.
+
+    Raises:
+      TypeError: if ``codes`` is not of a 2- or 4-bit format.
+      ValueError: if ``axis`` is out of range.
+
+    Example:
+      >>> pack_bits(jnp.array([1, -1, 7], jnp.int4))
+      Array([241,   7], dtype=uint8)
+    """
+    bits = _check_packable(codes.dtype)
+    if codes.ndim == 0:
+        raise ValueError("codes must have at least one dimension to be packed, got a scalar.")
+    axis = normalize_axis(axis, codes.ndim)
+    per = 8 // bits
+    u = lax.bitcast_convert_type(codes, _UNSIGNED[bits]).astype(jnp.uint8)
+    n = u.shape[axis]
+    m = -(-n // per)
+    if m * per != n:
+        pad = [(0, 0)] * u.ndim
+        pad[axis] = (0, m * per - n)
+        u = jnp.pad(u, pad)
+    u = u.reshape(u.shape[:axis] + (m, per) + u.shape[axis + 1:])
+    shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape((per,) + (1,) * (u.ndim - axis - 2))
+    # Disjoint bit fields: the sum is the bitwise or.
+    return jnp.sum(u << shifts, axis=axis + 1, dtype=jnp.uint8)
+
+
+def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1) -> jax.Array:
+    """Unpacks bytes made by `pack_bits` back into codes.
+
+    Args:
+      packed: the uint8 array.
+      dtype: the code format (int2, uint2, int4, uint4 or float4_e2m1fn).
+      length: the logical length along ``axis`` (the padding is dropped).
+      axis: the packed axis.
+
+    Returns:
+      The codes, of ``dtype``, bit for bit those that were packed.
+
+    Raises:
+      TypeError: if ``packed`` is not uint8 or ``dtype`` is not a 2- or 4-bit format.
+      ValueError: if ``length`` does not fit the packed size.
+
+    Example:
+      >>> unpack_bits(jnp.array([241, 7], jnp.uint8), jnp.int4, 3)
+      Array([ 1, -1,  7], dtype=int4)
+    """
+    bits = _check_packable(dtype)
+    if packed.dtype != jnp.uint8:
+        raise TypeError(f"packed must be a uint8 array, got dtype {packed.dtype}.")
+    axis = normalize_axis(axis, packed.ndim)
+    per = 8 // bits
+    m = packed.shape[axis]
+    if not (m - 1) * per < length <= m * per:
+        raise ValueError(
+            f"length {length} does not fit {m} packed bytes of {per} codes along axis {axis}; "
+            f"expected a length in ({(m - 1) * per}, {m * per}]."
+        )
+    shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape((per,) + (1,) * (packed.ndim - axis - 1))
+    u = (jnp.expand_dims(packed, axis + 1) >> shifts) & jnp.uint8((1 << bits) - 1)
+    u = u.reshape(packed.shape[:axis] + (m * per,) + packed.shape[axis + 1:])
+    u = lax.slice_in_dim(u, 0, length, axis=axis)
+    return lax.bitcast_convert_type(u.astype(_UNSIGNED[bits]), dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackedArray:
+    """Sub-byte codes stored packed in uint8, standing in for the code array.
+
+    Invariants: ``data.dtype == uint8``; ``data.shape`` equals ``shape`` except
+    ``ceil(shape[axis] * bits / 8)`` along ``axis``; ``unpack()`` returns codes
+    of ``dtype`` and ``shape`` bit for bit.
+
+    Attributes:
+      data: the packed bytes (the only array child).
+      dtype: the code format (static).
+      shape: the logical, unpacked shape (static).
+      axis: the packed axis, non-negative (static).
+
+    Example:
+      >>> p = pack(jnp.array([[1, -2, 3]], jnp.int4))
+      >>> p.shape, p.dtype, p.data.shape, p.nbytes
+      ((1, 3), dtype(int4), (1, 2), 2)
+    """
+
+    data: jax.Array
+    dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+    axis: int = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def ndim(self) -> int:
+        """The logical rank."""
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """The logical number of codes."""
+        return int(np.prod(self.shape))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of storage actually held."""
+        return int(np.prod(self.data.shape))
+
+    def unpack(self) -> jax.Array:
+        """The codes as an array of ``dtype`` and ``shape``."""
+        return unpack_bits(self.data, self.dtype, self.shape[self.axis], self.axis)
+
+
+jax.tree_util.register_dataclass(PackedArray)
+
+
+def pack(x, axis: int = -1):
+    """Packs codes, or the codes of a `QTensor`, into sub-byte storage.
+
+    Args:
+      x: a code array (2- or 4-bit format) or a `QTensor` of such a format.
+      axis: the axis along which codes share bytes.
+
+    Returns:
+      A `PackedArray`, or for a `QTensor` the same record with a `PackedArray`
+      as ``qvalue`` (``dequantize`` unpacks it).
+
+    Raises:
+      TypeError: for formats wider than 4 bits.
+
+    Example:
+      >>> import jaxquant as jq
+      >>> qt = jq.quantize(jnp.linspace(-1, 1, 5), dtype=jnp.int4)
+      >>> jq.pack(qt).nbytes, qt.nbytes
+      (7, 7)
+    """
+    if isinstance(x, PackedArray):
+        return x
+    if hasattr(x, "qvalue"):  # a QTensor
+        return dataclasses.replace(x, qvalue=pack(x.qvalue, axis))
+    axis = normalize_axis(axis, x.ndim)
+    return PackedArray(pack_bits(x, axis), np.dtype(x.dtype), tuple(x.shape), axis)
+
+
+def unpack(x):
+    """Inverse of `pack`: a `PackedArray` to codes, a packed `QTensor` to an unpacked one.
+
+    Arrays and unpacked QTensors are returned as they are.
+
+    Example:
+      >>> c = jnp.array([1, -2, 3], jnp.int4)
+      >>> bool((unpack(pack(c)) == c).all())
+      True
+    """
+    if isinstance(x, PackedArray):
+        return x.unpack()
+    if hasattr(x, "qvalue") and isinstance(x.qvalue, PackedArray):
+        return dataclasses.replace(x, qvalue=x.qvalue.unpack())
+    return x

@@ -1,0 +1,249 @@
+"""`QTensor`: quantized codes with their scale, zero point and granularity."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from jaxquant._formats import Format, get_format
+from jaxquant._granularity import Layout, expand, layout_from_scale
+from jaxquant._packing import PackedArray
+
+__all__ = ["QTensor", "is_qtensor", "check_zero_point"]
+
+
+def _is_arraylike(v) -> bool:
+    return hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def check_zero_point(zero_point, fmt: Format) -> None:
+    """Checks a zero point's dtype against the format (and its values, for floats).
+
+    Integer formats need a zero point of the code dtype itself (as ONNX, where
+    the zero point's type is the output type). Float formats need zeros; the
+    values are checked when they are concrete, and under ``jit`` through
+    `jax.experimental.checkify` (enforced when the caller is checkified).
+
+    Raises:
+      TypeError: on a dtype mismatch.
+      ValueError: on a concrete non-zero zero point of a float format.
+    """
+    if np.dtype(zero_point.dtype) != fmt.dtype:
+        raise TypeError(
+            f"zero_point must have the code dtype {fmt.name}, got {zero_point.dtype}; "
+            f"pass dtype=jnp.{zero_point.dtype} to quantize to that format."
+        )
+    if fmt.is_integer:
+        return
+    if isinstance(zero_point, jax.core.Tracer):
+        from jax.experimental import checkify
+
+        checkify.debug_check(
+            jnp.all(zero_point.astype(jnp.float32) == 0),
+            f"zero_point must be all zeros for {fmt.name}.",
+        )
+    elif np.any(np.asarray(zero_point).astype(np.float32) != 0):
+        raise ValueError(
+            f"zero_point must be all zeros for the float format {fmt.name} (as ONNX requires), "
+            f"got non-zero values."
+        )
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class QTensor:
+    """Quantized codes, their scale and zero point, and how they were grouped.
+
+    Invariants (checked on construction):
+
+    * ``qvalue.dtype`` is the format and ``qvalue.shape`` the original array's
+      shape (the logical view: a `PackedArray` keeps the same ``dtype`` and
+      ``shape``);
+    * ``scale`` (and ``zero_point``, of the same shape) follow ONNX's layouts:
+      one element (per-tensor; ``axis`` is then ``None``), ``(shape[axis],)``
+      (per-axis), or ``shape`` with ``ceil(shape[axis] / block_size)`` along
+      ``axis`` (blocked);
+    * ``zero_point`` is ``None`` or has the code dtype (all zeros for floats);
+    * ``axis`` is stored non-negative; ``axis``, ``block_size`` and ``dtype``
+      are static (hashable, part of the ``jit`` cache key);
+    * the represented value is ``(qvalue - zero_point) * scale`` in float32,
+      returned as ``dtype``.
+
+    Pytree children are ``qvalue``, ``scale`` and ``zero_point``. Like
+    equinox modules, unflattening skips the checks, because JAX rebuilds
+    pytrees with placeholder leaves (``None``, ``ShapeDtypeStruct``, stacked
+    ``vmap`` outputs); dequantize inside a vmapped function.
+
+    Args:
+      qvalue: codes of a format from `jaxquant.FORMATS`, or a `PackedArray`.
+      scale: float scales in one of the layouts above.
+      zero_point: ``None`` or zero points of the code dtype, shaped as ``scale``.
+      axis: the quantized axis (per-axis or blocked); may be negative.
+      block_size: the block length along ``axis`` (blocked only).
+      dtype: the float dtype that `dequantize` returns by default.
+
+    Raises:
+      TypeError: codes not of a quantized format, non-float scale, mismatched
+        zero-point dtype, non-float ``dtype``.
+      ValueError: a scale or zero point whose shape fits no layout.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> qt = QTensor(jnp.array([[-3, 7]], jnp.int8), jnp.array([0.5, 0.25]), axis=1)
+      >>> qt.dequantize()
+      Array([[-1.5 ,  1.75]], dtype=float32)
+    """
+
+    qvalue: jax.Array | PackedArray
+    scale: jax.Array
+    zero_point: jax.Array | None
+    axis: int | None
+    block_size: int | None
+    dtype: np.dtype
+
+    def __init__(
+        self,
+        qvalue,
+        scale,
+        zero_point=None,
+        *,
+        axis: int | None = None,
+        block_size: int | None = None,
+        dtype: DTypeLike = jnp.float32,
+    ):
+        if not (_is_arraylike(qvalue) and _is_arraylike(scale)):
+            raise TypeError(
+                f"qvalue and scale must be arrays, got {type(qvalue).__name__} and "
+                f"{type(scale).__name__}."
+            )
+        fmt = get_format(qvalue.dtype, argname="qvalue.dtype")
+        if not jnp.issubdtype(scale.dtype, jnp.floating):
+            raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
+        dtype = np.dtype(dtype)
+        if not jnp.issubdtype(dtype, jnp.floating):
+            raise TypeError(f"dtype must be a float dtype, got {dtype}.")
+        layout = layout_from_scale(tuple(qvalue.shape), tuple(scale.shape), axis, block_size)
+        if zero_point is not None:
+            if not _is_arraylike(zero_point):
+                raise TypeError(f"zero_point must be an array or None, got {type(zero_point).__name__}.")
+            if tuple(zero_point.shape) != tuple(scale.shape):
+                raise ValueError(
+                    f"zero_point must have the shape of scale, {tuple(scale.shape)}; "
+                    f"got {tuple(zero_point.shape)}."
+                )
+            check_zero_point(zero_point, fmt)
+        for name, value in (
+            ("qvalue", qvalue), ("scale", scale), ("zero_point", zero_point),
+            ("axis", layout.axis), ("block_size", layout.block_size), ("dtype", dtype),
+        ):
+            object.__setattr__(self, name, value)
+
+    @property
+    def format(self) -> Format:
+        """The `Format` record of the codes."""
+        return get_format(self.qvalue.dtype)
+
+    @property
+    def layout(self) -> Layout:
+        """The granularity: per-tensor, per-axis or blocked."""
+        if self.block_size:
+            return Layout("block", self.axis, self.block_size)
+        return Layout("tensor") if self.axis is None else Layout("axis", self.axis)
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The original array's shape."""
+        return tuple(self.qvalue.shape)
+
+    @property
+    def ndim(self) -> int:
+        """The original array's rank."""
+        return len(self.qvalue.shape)
+
+    @property
+    def size(self) -> int:
+        """The number of codes."""
+        return math.prod(self.shape)
+
+    @property
+    def packed(self) -> bool:
+        """Whether the codes are stored packed (see `jaxquant.pack`)."""
+        return isinstance(self.qvalue, PackedArray)
+
+    @property
+    def nbytes(self) -> int:
+        """The real storage cost in bytes: codes at their bit width, plus scale and zero point.
+
+        Unpacked sub-byte codes are counted as they would be packed (two int4
+        per byte, rounded up once); a `PackedArray` counts the bytes it holds.
+        """
+        if self.packed:
+            codes = self.qvalue.nbytes
+        else:
+            codes = -(-self.size * self.format.bits // 8)
+        extra = 0 if self.zero_point is None else _nbytes(self.zero_point)
+        return codes + _nbytes(self.scale) + extra
+
+    def dequantize(self, dtype: DTypeLike | None = None) -> jax.Array:
+        """``(qvalue - zero_point) * scale`` in float32, returned as ``dtype``.
+
+        See `jaxquant.dequantize`.
+        """
+        from jaxquant._quantize import dequantize
+
+        return dequantize(self, dtype)
+
+    def __repr__(self) -> str:
+        zp = "" if self.zero_point is None else ", zero_point"
+        gran = {"tensor": "per-tensor", "axis": f"axis={self.axis}",
+                "block": f"axis={self.axis}, block_size={self.block_size}"}[self.layout.kind]
+        return (
+            f"QTensor({self.format.name}{'(packed)' if self.packed else ''}{list(self.shape)}, "
+            f"{gran}, scale{list(self.scale.shape)}{zp}, dtype={self.dtype.name})"
+        )
+
+
+def _nbytes(a) -> int:
+    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+
+
+def _flatten_with_keys(qt: QTensor):
+    keys = ("qvalue", "scale", "zero_point")
+    children = tuple((jax.tree_util.GetAttrKey(k), getattr(qt, k)) for k in keys)
+    return children, (qt.axis, qt.block_size, qt.dtype)
+
+
+def _flatten(qt: QTensor):
+    return (qt.qvalue, qt.scale, qt.zero_point), (qt.axis, qt.block_size, qt.dtype)
+
+
+def _unflatten(aux, children) -> QTensor:
+    qt = object.__new__(QTensor)
+    for name, value in zip(("qvalue", "scale", "zero_point", "axis", "block_size", "dtype"),
+                           (*children, *aux)):
+        object.__setattr__(qt, name, value)
+    return qt
+
+
+jax.tree_util.register_pytree_with_keys(QTensor, _flatten_with_keys, _unflatten, _flatten)
+
+
+def is_qtensor(x) -> bool:
+    """True for a `QTensor`: use as ``is_leaf=`` in tree utilities.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, jaxquant as jq
+      >>> tree = {"w": jq.quantize(jnp.ones((2, 2)))}
+      >>> [type(l).__name__ for l in jax.tree.leaves(tree, is_leaf=is_qtensor)]
+      ['QTensor']
+    """
+    return isinstance(x, QTensor)
+
+
+def expand_scale(qt: QTensor, v: jax.Array) -> jax.Array:
+    """Broadcasts a scale-shaped array of ``qt`` against its codes."""
+    return expand(v, qt.shape, qt.layout)

@@ -1,0 +1,80 @@
+"""Choosing scales (and zero points) from the data, per group of elements.
+
+Symmetric integer formats map ``absmax`` to ``qmax`` (0.0 stays exactly 0.0);
+unsigned formats then use the mid-range zero point, as PyTorch's symmetric
+``quint8``. Asymmetric integer formats map ``[min(x, 0), max(x, 0)]`` onto
+``[qmin, qmax]`` with an integer zero point (PyTorch's MinMaxObserver
+formula). Float formats map ``absmax`` to the largest finite value.
+
+Groups of zeros get scale 1 (their codes are zeros, never NaN or inf), and
+scales are kept at or above the smallest normal float32, because XLA:CPU
+flushes subnormals to zero.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant._formats import Format
+from jaxquant._granularity import Layout, group_reduce
+from jaxquant._rounding import SMALLEST_NORMAL, divide
+
+__all__ = ["compute_scale", "scale_from_range"]
+
+
+def _safe(scale: jax.Array) -> jax.Array:
+    return jnp.where(scale > 0, jnp.maximum(scale, SMALLEST_NORMAL), jnp.float32(1))
+
+
+def scale_from_range(
+    lo: jax.Array, hi: jax.Array, fmt: Format, symmetric: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """Scale and zero point that map the range ``[lo, hi]`` onto ``fmt``.
+
+    Args:
+      lo: per-group minima (float32).
+      hi: per-group maxima (float32), same shape.
+      fmt: the format.
+      symmetric: symmetric around zero (``max(|lo|, |hi|)``) or affine.
+
+    Returns:
+      ``(scale, zero_point)``: float32 scales, and ``None`` or zero points of
+      ``fmt.dtype``.
+
+    Example:
+      >>> from jaxquant._formats import get_format
+      >>> s, z = scale_from_range(jnp.float32(-1), jnp.float32(3), get_format("uint8"), False)
+      >>> float(s), int(z)
+      (0.01568627543747425, 64)
+    """
+    if symmetric or not fmt.is_integer:
+        amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
+        if not fmt.is_integer or fmt.signed:
+            return _safe(amax / jnp.float32(fmt.qmax)), None
+        mid = (int(fmt.qmax) + 1) // 2
+        scale = _safe(amax / jnp.float32(fmt.qmax - mid))
+        return scale, jnp.full(scale.shape, mid, fmt.dtype)
+    lo = jnp.minimum(lo, 0.0)
+    hi = jnp.maximum(hi, 0.0)
+    scale = _safe((hi - lo) / jnp.float32(fmt.qmax - fmt.qmin))
+    zp = jnp.float32(fmt.qmin) - jnp.round(divide(lo, scale))
+    return scale, jnp.clip(zp, fmt.qmin, fmt.qmax).astype(fmt.dtype)
+
+
+def compute_scale(
+    x: jax.Array, fmt: Format, layout: Layout, symmetric: bool
+) -> tuple[jax.Array, jax.Array | None]:
+    """Scale and zero point chosen from ``x`` over each group of ``layout``.
+
+    Returns:
+      ``(scale, zero_point)`` of ``layout.scale_shape(x.shape)``; see
+      `scale_from_range`. The scale is a constant for differentiation.
+    """
+    x = jax.lax.stop_gradient(x.astype(jnp.float32))
+    if symmetric or not fmt.is_integer:
+        amax = group_reduce(jnp.abs(x), layout, jnp.max)
+        return scale_from_range(-amax, amax, fmt, True)
+    lo = group_reduce(x, layout, jnp.min)
+    hi = group_reduce(x, layout, jnp.max)
+    return scale_from_range(lo, hi, fmt, False)

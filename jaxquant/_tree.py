@@ -1,0 +1,206 @@
+"""Whole parameter trees: `QuantSpec` rules, `quantize_tree`, `dequantize_tree`.
+
+A rule is a plain ``(pattern, spec)`` pair. Each leaf's path is its keys
+joined by ``/`` (``params/Dense_0/kernel``), matched with `re.search`; the
+first matching rule wins, ``spec=None`` keeps the leaf, unmatched leaves are
+kept. Only floating-point leaves are ever quantized.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any, Union
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import DTypeLike
+
+from jaxquant._formats import get_format
+from jaxquant._packing import pack
+from jaxquant._qtensor import QTensor, is_qtensor
+from jaxquant._quantize import dequantize, quantize
+
+__all__ = ["QuantSpec", "quantize_tree", "dequantize_tree", "path_str", "match_rules",
+           "unused_rules"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantSpec:
+    """How to quantize one array: a frozen, hashable record.
+
+    Attributes:
+      dtype: the format (see `jaxquant.FORMATS`).
+      axis: the axis with its own scales (``-1``: the output features of a
+        ``(in, out)`` kernel); ``None`` for per-tensor.
+      block_size: split ``axis`` into blocks of this length (``None``: no blocks).
+      symmetric: symmetric scales, or asymmetric with a zero point.
+      saturate: float formats: clip to the largest finite value.
+      packed: store 2- and 4-bit codes packed (two int4 per byte) along the last axis.
+
+    Raises:
+      TypeError: unknown format.
+      ValueError: ``block_size <= 0`` or ``block_size`` without ``axis``.
+
+    Example:
+      >>> QuantSpec(dtype=jnp.int4, block_size=32)
+      QuantSpec(dtype=dtype(int4), axis=-1, block_size=32, symmetric=True, saturate=True, packed=False)
+    """
+
+    dtype: DTypeLike = jnp.int8
+    axis: int | None = -1
+    block_size: int | None = None
+    symmetric: bool = True
+    saturate: bool = True
+    packed: bool = False
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", get_format(self.dtype).dtype)
+        if self.block_size is not None:
+            if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
+                    or self.block_size <= 0:
+                raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
+            if self.axis is None:
+                raise ValueError("block_size requires axis: the axis that is split into blocks.")
+        if self.packed and get_format(self.dtype).bits > 4:
+            raise ValueError(f"packed=True needs a 2- or 4-bit format, got {self.dtype.name}.")
+
+    def __call__(self, x: jax.Array) -> QTensor:
+        """Quantizes one array with this spec."""
+        qt = quantize(x, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
+                      symmetric=self.symmetric, saturate=self.saturate)
+        return pack(qt) if self.packed else qt
+
+
+Rules = Union[None, QuantSpec, Sequence[tuple[str, "QuantSpec | None"]]]
+
+
+def path_str(path) -> str:
+    """A key path as ``/``-joined key names (``params/Dense_0/kernel``)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _check_rules(rules: Rules):
+    if rules is None or isinstance(rules, QuantSpec):
+        return rules
+    checked = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
+                and (rule[1] is None or isinstance(rule[1], QuantSpec))):
+            raise TypeError(f"rules[{i}] must be a (pattern: str, QuantSpec | None) pair, "
+                            f"got {rule!r}.")
+        checked.append((re.compile(rule[0]), rule[1]))
+    return checked
+
+
+def _is_float(leaf) -> bool:
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+
+
+def _select(path: str, leaf, rules) -> tuple[QuantSpec | None, int | None]:
+    """(spec or None, index of the rule that matched or None)."""
+    if rules is None or isinstance(rules, QuantSpec):
+        ok = _is_float(leaf) and leaf.ndim >= 2
+        return ((rules or QuantSpec()) if ok else None), None
+    for i, (pattern, spec) in enumerate(rules):
+        if pattern.search(path):
+            return (spec if _is_float(leaf) else None), i
+    return None, None
+
+
+def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
+    """The spec each leaf gets (``None``: kept as it is), by path.
+
+    Example:
+      >>> tree = {"dense": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}}
+      >>> match_rules(tree, [("kernel", QuantSpec(dtype=jnp.int4))])["dense/bias"] is None
+      True
+    """
+    checked = _check_rules(rules)
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_qtensor)
+    return {path_str(p): (None if is_qtensor(l) else _select(path_str(p), l, checked)[0])
+            for p, l in leaves}
+
+
+def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
+    """The rules of ``rules`` that match no leaf path of ``tree`` (likely typos).
+
+    Example:
+      >>> unused_rules({"w": jnp.ones((2, 2))}, [("w", QuantSpec()), ("kernal", None)])
+      [('kernal', None)]
+    """
+    checked = _check_rules(rules)
+    if checked is None or isinstance(checked, QuantSpec):
+        return []
+    used = set()
+    for p, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_qtensor):
+        used.add(_select(path_str(p), leaf, checked)[1])
+    return [rule for i, rule in enumerate(rules) if i not in used]
+
+
+def quantize_tree(tree: Any, rules: Rules = None) -> Any:
+    """Quantizes the leaves of a pytree that a rule selects.
+
+    Args:
+      tree: any pytree of arrays (a Flax ``params`` dict, a checkpoint...).
+      rules: ``None``: every floating leaf with ``ndim >= 2`` gets
+        ``QuantSpec()``; a `QuantSpec`: the same selection with that spec; or a
+        sequence of ``(pattern, QuantSpec | None)``: the first pattern that
+        `re.search` finds in the leaf's ``/``-joined path wins, ``None`` keeps
+        the leaf, unmatched leaves are kept. Non-float leaves and existing
+        `QTensor` leaves are always kept.
+
+    Returns:
+      The same structure with `QTensor` leaves where a rule applied.
+
+    Raises:
+      TypeError: a malformed rule.
+
+    Example:
+      >>> import jaxquant as jq
+      >>> params = {"dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
+      >>> jq.quantize_tree(params)["dense"]["kernel"]
+      QTensor(int8[4, 8], axis=1, scale[8], dtype=float32)
+    """
+    checked = _check_rules(rules)
+
+    def convert(path, leaf):
+        if is_qtensor(leaf):
+            return leaf
+        spec, _ = _select(path_str(path), leaf, checked)
+        return leaf if spec is None else spec(leaf)
+
+    return jax.tree_util.tree_map_with_path(convert, tree, is_leaf=is_qtensor)
+
+
+def dequantize_tree(tree: Any) -> Any:
+    """Turns every `QTensor` leaf back into an array of its ``dtype``.
+
+    Example:
+      >>> import jaxquant as jq
+      >>> t = jq.dequantize_tree(jq.quantize_tree({"w": jnp.eye(2)}))
+      >>> t["w"]
+      Array([[1., 0.],
+             [0., 1.]], dtype=float32)
+    """
+    return jax.tree.map(lambda l: dequantize(l) if is_qtensor(l) else l, tree,
+                        is_leaf=is_qtensor)
+
+
+def tree_nbytes(tree: Any) -> int:
+    """Storage bytes of a tree, counting `QTensor` leaves at their real cost."""
+    total = 0
+    for leaf in jax.tree.leaves(tree, is_leaf=is_qtensor):
+        total += leaf.nbytes if is_qtensor(leaf) else int(np.prod(np.shape(leaf))) * \
+            np.dtype(leaf.dtype).itemsize
+    return total
