@@ -39,6 +39,13 @@ def _check_packable(dtype) -> int:
     return fmt.bits
 
 
+def _shifts(bits: int, ndim: int, axis: int) -> jax.Array:
+    """Bit offsets ``0, bits, 2 * bits, ...`` laid along ``axis`` of a rank-``ndim`` array."""
+    shape = [1] * ndim
+    shape[axis] = 8 // bits
+    return jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape(shape)
+
+
 def pack_bits(codes: jax.Array, axis: int = -1) -> jax.Array:
     """Packs 2- or 4-bit codes into uint8 bytes along ``axis``.
 
@@ -70,7 +77,7 @@ def pack_bits(codes: jax.Array, axis: int = -1) -> jax.Array:
         pad[axis] = (0, m * per - n)
         u = jnp.pad(u, pad)
     u = u.reshape(u.shape[:axis] + (m, per) + u.shape[axis + 1:])
-    shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape((per,) + (1,) * (u.ndim - axis - 2))
+    shifts = _shifts(bits, u.ndim, axis + 1)
     # Disjoint bit fields: the sum is the bitwise or.
     return jnp.sum(u << shifts, axis=axis + 1, dtype=jnp.uint8)
 
@@ -93,7 +100,7 @@ def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1
 
     Example:
       >>> unpack_bits(jnp.array([241, 7], jnp.uint8), jnp.int4, 3)
-      Array([ 1, -1,  7], dtype=int4)
+      Array([1, -1, 7], dtype=int4)
     """
     bits = _check_packable(dtype)
     if packed.dtype != jnp.uint8:
@@ -106,7 +113,7 @@ def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1
             f"length {length} does not fit {m} packed bytes of {per} codes along axis {axis}; "
             f"expected a length in ({(m - 1) * per}, {m * per}]."
         )
-    shifts = jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape((per,) + (1,) * (packed.ndim - axis - 1))
+    shifts = _shifts(bits, packed.ndim + 1, axis + 1)
     u = (jnp.expand_dims(packed, axis + 1) >> shifts) & jnp.uint8((1 << bits) - 1)
     u = u.reshape(packed.shape[:axis] + (m * per,) + packed.shape[axis + 1:])
     u = lax.slice_in_dim(u, 0, length, axis=axis)

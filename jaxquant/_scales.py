@@ -8,7 +8,9 @@ formula). Float formats map ``absmax`` to the largest finite value.
 
 Groups of zeros get scale 1 (their codes are zeros, never NaN or inf), and
 scales are kept at or above the smallest normal float32, because XLA:CPU
-flushes subnormals to zero.
+flushes subnormals to zero. Every division is `divide` (one IEEE rounding), so
+the scale is the same number eagerly, under ``jit`` and on every backend
+(XLA would otherwise turn ``amax / 127`` into ``amax * (1 / 127)`` under ``jit``).
 """
 
 from __future__ import annotations
@@ -51,13 +53,13 @@ def scale_from_range(
     if symmetric or not fmt.is_integer:
         amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
         if not fmt.is_integer or fmt.signed:
-            return _safe(amax / jnp.float32(fmt.qmax)), None
+            return _safe(divide(amax, jnp.float32(fmt.qmax))), None
         mid = (int(fmt.qmax) + 1) // 2
-        scale = _safe(amax / jnp.float32(fmt.qmax - mid))
+        scale = _safe(divide(amax, jnp.float32(fmt.qmax - mid)))
         return scale, jnp.full(scale.shape, mid, fmt.dtype)
     lo = jnp.minimum(lo, 0.0)
     hi = jnp.maximum(hi, 0.0)
-    scale = _safe((hi - lo) / jnp.float32(fmt.qmax - fmt.qmin))
+    scale = _safe(divide(hi - lo, jnp.float32(fmt.qmax - fmt.qmin)))
     zp = jnp.float32(fmt.qmin) - jnp.round(divide(lo, scale))
     return scale, jnp.clip(zp, fmt.qmin, fmt.qmax).astype(fmt.dtype)
 

@@ -1,0 +1,71 @@
+"""fake_quant: value identity with quantize/dequantize, STE masks, computed-mode constants."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint8", "int8", "float8_e4m3fn", "float4_e2m1fn"])
+@pytest.mark.parametrize("gran", [dict(), dict(axis=1), dict(axis=1, block_size=3)])
+def test_value_is_dequantize_of_quantize(fmt, gran):
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 7)).astype(np.float32)) * 3
+    np.testing.assert_array_equal(jq.fake_quant(x, dtype=fmt, **gran),
+                                  jq.dequantize(jq.quantize(x, dtype=fmt, **gran)))
+    f = jq.get_format(fmt)
+    scale = jq.quantize(x, dtype=fmt, **gran).scale * 0.5  # half the range: some values clip
+    zp = None if f.is_integer and f.signed or not f.is_integer else jnp.full(scale.shape, 3, f.dtype)
+    np.testing.assert_array_equal(jq.fake_quant(x, scale, zp, dtype=fmt, **gran),
+                                  jq.dequantize(jq.quantize(x, scale, zp, dtype=fmt, **gran)))
+
+
+def test_ste_mask_at_the_range_edges():
+    s = jnp.float32(1.0)
+    # int8 codes: 127 and -128 are inside; 127.5 rounds to 128 (even) -> outside; 127.49 -> 127 inside
+    x = jnp.array([126.0, 127.0, 127.49, 127.5, 128.0, -128.0, -128.5, -128.51, 1e9, -1e9], jnp.float32)
+    g = jax.grad(lambda x: jq.fake_quant(x, s).sum())(x)
+    np.testing.assert_array_equal(g, [1, 1, 1, 0, 0, 1, 1, 0, 0, 0])
+
+
+def test_ste_mask_with_zero_point_and_float_format():
+    s = jnp.float32(0.5)
+    x = jnp.array([-1.0, -0.5, 0.0, 6.0, 6.5], jnp.float32)
+    # uint4 with zero point 1: codes -1, 0, 1, 13, 14 -> [0, 15] range keeps all but the first
+    g = jax.grad(lambda x: jq.fake_quant(x, s, jnp.uint4(1), dtype=jnp.uint4).sum())(x)
+    np.testing.assert_array_equal(g, [0, 1, 1, 1, 1])
+    xf = jnp.array([1.0, 448.0, 500.0, -1000.0], jnp.float32)
+    g = jax.grad(lambda x: jq.fake_quant(x, jnp.float32(1), dtype=jnp.float8_e4m3fn).sum())(xf)
+    np.testing.assert_array_equal(g, [1, 1, 0, 0])
+
+
+def test_computed_mode_scale_is_constant_in_backward():
+    x = jnp.array([0.1, -0.7, 0.35, 1.0], jnp.float32)
+    g = jax.grad(lambda x: jq.fake_quant(x, dtype=jnp.int4).sum())(x)
+    np.testing.assert_array_equal(g, jnp.ones(4))  # absmax scale never clips
+
+
+def test_gradient_dtype_follows_input():
+    x = jnp.ones((3,), jnp.bfloat16)
+    g = jax.grad(lambda x: jq.fake_quant(x, jnp.float32(0.1)).astype(jnp.float32).sum())(x)
+    assert g.dtype == jnp.bfloat16
+
+
+def test_learnable_scale_moves_to_reduce_clipping():
+    """Training only the scale on data that clips must grow the scale (LSQ direction)."""
+    x = jnp.asarray(np.random.default_rng(0).standard_normal(512).astype(np.float32))
+    loss = lambda s: jnp.mean((jq.fake_quant(x, s, dtype=jnp.int4) - x) ** 2)
+    s = jnp.float32(0.05)  # codes clip at +-0.35 while |x| reaches ~3
+    for _ in range(50):
+        s = s - 0.05 * jax.grad(loss)(s)
+    assert float(s) > 0.2 and float(loss(s)) < float(loss(jnp.float32(0.05))) / 4
+
+
+def test_jit_and_vmap_of_fake_quant():
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32))
+    f = jax.jit(jax.grad(lambda x, s: jq.fake_quant(x, s, axis=0).sum(), argnums=(0, 1)))
+    gx, gs = f(x, jnp.full((5,), 0.01, jnp.float32))
+    assert gx.shape == x.shape and gs.shape == (5,)
+    v = jax.vmap(lambda r: jq.fake_quant(r, jnp.float32(0.1)))(x)
+    np.testing.assert_array_equal(v, jq.fake_quant(x, jnp.float32(0.1)))

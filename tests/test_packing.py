@@ -1,0 +1,103 @@
+"""Sub-byte packing: the ONNX byte layout, round trips on every axis, packed QTensors."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+PACKABLE = ["int2", "uint2", "int4", "uint4", "float4_e2m1fn"]
+
+
+def _random_codes(fmt, shape, seed=0):
+    """Every bit pattern of the format, uniformly (numpy + ml_dtypes, not the library)."""
+    bits = jq.get_format(fmt).bits
+    raw = np.random.default_rng(seed).integers(0, 1 << bits, shape, dtype=np.uint8)
+    unsigned = {2: ml_dtypes.uint2, 4: ml_dtypes.uint4}[bits]
+    return raw.astype(unsigned).view(np.dtype(getattr(ml_dtypes, fmt)))
+
+
+@pytest.mark.parametrize("fmt", PACKABLE)
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 33])
+def test_flat_layout_matches_onnx_serialization(fmt, n):
+    onnx = pytest.importorskip("onnx")
+    from onnx import numpy_helper
+
+    codes = _random_codes(fmt, (n,), seed=n)
+    expected = np.frombuffer(numpy_helper.from_array(codes).raw_data, np.uint8)
+    packed = np.asarray(jq.pack_bits(jnp.asarray(codes)))
+    np.testing.assert_array_equal(packed, expected)
+    back = numpy_helper.to_array(numpy_helper.from_array(codes))
+    unpacked = np.asarray(jq.unpack_bits(jnp.asarray(expected), codes.dtype, n))
+    np.testing.assert_array_equal(unpacked.view(np.uint8), back.view(np.uint8))
+    del onnx
+
+
+def test_first_element_in_low_bits():
+    p = jq.pack_bits(jnp.array([1, 2], jnp.uint4))
+    assert int(p[0]) == 1 | 2 << 4
+    p = jq.pack_bits(jnp.array([1, 2, 3, 0], jnp.uint2))
+    assert int(p[0]) == 1 | 2 << 2 | 3 << 4
+
+
+@pytest.mark.parametrize("fmt", PACKABLE)
+@pytest.mark.parametrize("shape", [(5,), (3, 7), (2, 5, 3), (4, 1, 9)])
+def test_round_trip_every_axis_bit_exact(fmt, shape):
+    codes = jnp.asarray(_random_codes(fmt, shape, seed=sum(shape)))
+    per = 8 // jq.get_format(fmt).bits
+    for axis in range(-len(shape), len(shape)):
+        p = jq.pack(codes, axis=axis)
+        assert p.data.dtype == jnp.uint8 and p.shape == codes.shape and p.dtype == codes.dtype
+        assert p.data.shape[axis] == -(-shape[axis] // per)
+        back = jq.unpack(p)
+        assert back.dtype == codes.dtype
+        np.testing.assert_array_equal(np.asarray(back).view(np.uint8),
+                                      np.asarray(codes).view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["int4", "uint4", "float4_e2m1fn", "int2", "uint2"])
+def test_packed_qtensor_dequantizes_identically(fmt):
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 11)).astype(np.float32))
+    sym = not jq.get_format(fmt).is_integer or jq.get_format(fmt).signed
+    qt = jq.quantize(x, dtype=fmt, axis=1, block_size=4, symmetric=sym)
+    pq = jq.pack(qt)
+    assert pq.packed and not qt.packed and pq.shape == qt.shape
+    assert pq.qvalue.dtype == qt.qvalue.dtype
+    np.testing.assert_array_equal(jq.dequantize(pq), jq.dequantize(qt))
+    np.testing.assert_array_equal(jax.jit(jq.dequantize)(pq), jq.dequantize(qt))
+    up = jq.unpack(pq)
+    np.testing.assert_array_equal(np.asarray(up.qvalue).view(np.uint8),
+                                  np.asarray(qt.qvalue).view(np.uint8))
+    per = 8 // jq.get_format(fmt).bits
+    assert pq.qvalue.nbytes == 5 * -(-11 // per)
+
+
+def test_nbytes_counts_codes_at_bit_width():
+    x = jnp.ones((64, 64), jnp.float32)
+    assert jq.quantize(x, dtype=jnp.int8).nbytes == 64 * 64 + 4
+    assert jq.quantize(x, dtype=jnp.int4, axis=1).nbytes == 64 * 32 + 64 * 4
+    assert jq.pack(jq.quantize(x, dtype=jnp.int4, axis=1)).nbytes == 64 * 32 + 64 * 4
+    assert jq.quantize(x, dtype=jnp.uint2, symmetric=False).nbytes == 64 * 16 + 4 + 1
+    assert jq.quantize(x, dtype=jnp.int16, axis=0, block_size=32).nbytes == 64 * 64 * 2 + 64 * 2 * 4
+
+
+def test_pack_errors():
+    with pytest.raises(TypeError, match=r"only 2- and 4-bit formats are packed, got int8 \(8 bits\)"):
+        jq.pack_bits(jnp.zeros(4, jnp.int8))
+    with pytest.raises(TypeError, match="packed must be a uint8 array, got dtype int8"):
+        jq.unpack_bits(jnp.zeros(4, jnp.int8), jnp.int4, 8)
+    with pytest.raises(ValueError, match=r"length 9 does not fit 4 packed bytes.*\(6, 8\]"):
+        jq.unpack_bits(jnp.zeros(4, jnp.uint8), jnp.int4, 9)
+    with pytest.raises(ValueError, match="axis must be in"):
+        jq.pack(jnp.zeros((2, 2), jnp.int4), axis=2)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        jq.pack_bits(jnp.zeros((), jnp.int4))
+
+
+def test_packed_array_is_a_pytree_through_jit():
+    p = jq.pack(jnp.asarray(_random_codes("int4", (3, 5))))
+    out = jax.jit(lambda p: p)(p)
+    assert isinstance(out, jq.PackedArray) and out.shape == (3, 5) and out.axis == 1
+    np.testing.assert_array_equal(out.data, p.data)

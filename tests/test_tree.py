@@ -1,0 +1,87 @@
+"""quantize_tree / dequantize_tree / QuantSpec / rules."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+
+def _params():
+    rng = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s).astype(np.float32))
+    return {"params": {"Dense_0": {"kernel": f(8, 16), "bias": f(16)},
+                       "Dense_1": {"kernel": f(16, 4), "bias": f(4)},
+                       "Embed_0": {"embedding": f(10, 8)}},
+            "step": jnp.int32(3)}
+
+
+def test_default_rules_quantize_float_matrices_only():
+    q = jq.quantize_tree(_params())
+    assert jq.is_qtensor(q["params"]["Dense_0"]["kernel"])
+    assert jq.is_qtensor(q["params"]["Embed_0"]["embedding"])
+    assert not jq.is_qtensor(q["params"]["Dense_0"]["bias"])
+    assert q["step"].dtype == jnp.int32
+    k = q["params"]["Dense_0"]["kernel"]
+    assert k.qvalue.dtype == jnp.int8 and k.axis == 1 and k.scale.shape == (16,)
+
+
+def test_rules_first_match_wins_and_none_keeps():
+    rules = [("Embed", None),
+             ("Dense_1/kernel", jq.QuantSpec(dtype=jnp.int4, block_size=4, packed=True)),
+             ("kernel", jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=None))]
+    q = jq.quantize_tree(_params(), rules)
+    assert not jq.is_qtensor(q["params"]["Embed_0"]["embedding"])
+    d1 = q["params"]["Dense_1"]["kernel"]
+    assert d1.packed and d1.qvalue.dtype == jnp.int4 and d1.block_size == 4
+    d0 = q["params"]["Dense_0"]["kernel"]
+    assert d0.qvalue.dtype == jnp.float8_e4m3fn and d0.axis is None
+    assert not jq.is_qtensor(q["params"]["Dense_0"]["bias"])  # unmatched: kept
+
+
+def test_match_rules_and_unused_rules():
+    rules = [("Dense_0/kernel", jq.QuantSpec()), ("Conv", jq.QuantSpec()), ("bias$", None)]
+    m = jq.match_rules(_params(), rules)
+    assert m["params/Dense_0/kernel"] == jq.QuantSpec()
+    assert m["params/Dense_1/kernel"] is None and m["step"] is None
+    assert jq.unused_rules(_params(), rules) == [("Conv", jq.QuantSpec())]
+
+
+def test_dequantize_tree_round_trip_error_and_structure():
+    p = _params()
+    back = jq.dequantize_tree(jq.quantize_tree(p))
+    assert jax.tree.structure(back) == jax.tree.structure(p)
+    k, kb = p["params"]["Dense_0"]["kernel"], back["params"]["Dense_0"]["kernel"]
+    assert kb.dtype == k.dtype
+    assert float(jnp.max(jnp.abs(k - kb))) <= float(jnp.max(jnp.abs(k))) / 127
+
+
+def test_quantize_tree_under_jit_matches_eager():
+    p = _params()
+    eager = jq.quantize_tree(p)
+    jitted = jax.jit(jq.quantize_tree)(p)
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_tree_nbytes_counts_quantized_storage():
+    p = {"w": jnp.ones((64, 64), jnp.float32)}
+    assert jq.tree_nbytes(p) == 64 * 64 * 4
+    assert jq.tree_nbytes(jq.quantize_tree(p)) == 64 * 64 + 64 * 4
+    assert jq.tree_nbytes(jq.quantize_tree(p, jq.QuantSpec(dtype=jnp.int4, packed=True))) == 64 * 32 + 64 * 4
+
+
+def test_spec_is_frozen_hashable_and_validated():
+    s = jq.QuantSpec(dtype="int4", block_size=32)
+    assert s.dtype == jnp.int4 and hash(s) == hash(jq.QuantSpec(dtype=jnp.int4, block_size=32))
+    with pytest.raises(TypeError, match="dtype must be one of the quantized formats"):
+        jq.QuantSpec(dtype=jnp.float32)
+    with pytest.raises(ValueError, match="packed=True needs a 2- or 4-bit format, got int8"):
+        jq.QuantSpec(packed=True)
+    with pytest.raises(ValueError, match="block_size requires axis"):
+        jq.QuantSpec(axis=None, block_size=4)
+    with pytest.raises(TypeError):
+        jq.QuantSpec(jnp.int8)  # keyword-only
+    with pytest.raises(TypeError, match=r"rules\[0\] must be a \(pattern: str, QuantSpec \| None\) pair"):
+        jq.quantize_tree(_params(), [("kernel", "int8")])
