@@ -115,7 +115,7 @@ def sqnr_db(reference: dict, approx: dict) -> tuple[float, float]:
     """(SQNR in dB, max abs error) over the leaves that differ."""
     sig = err = 0.0
     worst = 0.0
-    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(approx)):
+    for a, b in zip(jax.tree.leaves(reference), jax.tree.leaves(approx), strict=True):
         d = np.asarray(a, np.float64) - np.asarray(b, np.float64)
         if not d.any():
             continue
@@ -169,7 +169,7 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print) -> list[dict
         else:
             convert = jax.jit(lambda p, rules=rules: jq.quantize_tree(p, rules))
             qparams = convert(params)
-            seconds = median_time(lambda: convert(params))
+            seconds = median_time(lambda convert=convert: convert(params))
         snr, worst = sqnr_db(params, jq.dequantize_tree(qparams))
         rows.append(dict(format=fmt, granularity=gran, bytes=jq.tree_nbytes(qparams),
                          sqnr_db=snr, max_error=worst, quantize_ms=1e3 * seconds,
@@ -190,5 +190,6 @@ def format_table(rows: list[dict]) -> str:
         snr = "inf" if math.isinf(r["sqnr_db"]) else f"{r['sqnr_db']:.1f}"
         lines.append(f"{r['format']:<14} {r['granularity']:<12} {r['bytes']:>10,} "
                      f"{r['bytes'] / base:>8.3f} {snr:>8} {r['max_error']:>9.2e} "
-                     f"{r['quantize_ms']:>8.2f} {r['val_bits_per_byte']:>14.4f}".replace(" nan", "   -"))
+                     f"{r['quantize_ms']:>8.2f} {r['val_bits_per_byte']:>14.4f}"
+                     .replace(" nan", "   -"))
     return "\n".join(lines)

@@ -129,7 +129,8 @@ class QTensor:
         layout = layout_from_scale(tuple(qvalue.shape), tuple(scale.shape), axis, block_size)
         if zero_point is not None:
             if not _is_arraylike(zero_point):
-                raise TypeError(f"zero_point must be an array or None, got {type(zero_point).__name__}.")
+                raise TypeError(f"zero_point must be an array or None, got "
+                                f"{type(zero_point).__name__}.")
             if tuple(zero_point.shape) != tuple(scale.shape):
                 raise ValueError(
                     f"zero_point must have the shape of scale, {tuple(scale.shape)}; "
@@ -224,7 +225,7 @@ def _flatten(qt: QTensor):
 def _unflatten(aux, children) -> QTensor:
     qt = object.__new__(QTensor)
     for name, value in zip(("qvalue", "scale", "zero_point", "axis", "block_size", "dtype"),
-                           (*children, *aux)):
+                           (*children, *aux), strict=True):
         object.__setattr__(qt, name, value)
     return qt
 

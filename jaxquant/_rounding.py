@@ -56,7 +56,11 @@ def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def round_to_codes(
-    t: jax.Array, zero_point: jax.Array | None, fmt: Format, saturate: bool = True
+    t: jax.Array,
+    zero_point: jax.Array | None,
+    fmt: Format,
+    saturate: bool = True,
+    wide: bool = False,
 ) -> jax.Array:
     """Rounds float32 quotients ``t`` to codes of ``fmt``, as ONNX QuantizeLinear.
 
@@ -70,9 +74,11 @@ def round_to_codes(
       zero_point: ``None`` or an array broadcastable to ``t`` holding zero points.
       fmt: the target format.
       saturate: float formats only; integer formats always saturate.
+      wide: return integer codes of fewer than 8 bits as int8 (same values),
+        skipping the slow sub-byte conversion when they are packed next.
 
     Returns:
-      An array of ``fmt.dtype`` and ``t``'s shape.
+      An array of ``fmt.dtype`` (or int8 when ``wide``) and ``t``'s shape.
     """
     if not fmt.is_integer:
         if zero_point is not None:  # all zeros (checked by the caller); ONNX adds it
@@ -86,7 +92,8 @@ def round_to_codes(
         # float32 sum is exact; outside, rounding is monotone and the clip saturates.
         if zero_point is not None:
             r = r + zero_point.astype(jnp.float32)
-        return jnp.clip(r, fmt.qmin, fmt.qmax).astype(fmt.dtype)
+        out = jnp.int8 if wide and fmt.bits < 8 else fmt.dtype
+        return jnp.clip(r, fmt.qmin, fmt.qmax).astype(out)
     q = jnp.clip(r, _INT32_LO, _INT32_HI).astype(jnp.int32)
     if zero_point is None:
         return q

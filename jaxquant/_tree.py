@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Sequence
-from typing import Any, Union
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -19,7 +19,6 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._formats import get_format
-from jaxquant._packing import pack
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize, quantize
 
@@ -46,7 +45,8 @@ class QuantSpec:
 
     Example:
       >>> QuantSpec(dtype=jnp.int4, block_size=32)
-      QuantSpec(dtype=dtype(int4), axis=-1, block_size=32, symmetric=True, saturate=True, packed=False)
+      QuantSpec(dtype=dtype(int4), axis=-1, block_size=32, symmetric=True,
+                saturate=True, packed=False)
     """
 
     dtype: DTypeLike = jnp.int8
@@ -69,12 +69,11 @@ class QuantSpec:
 
     def __call__(self, x: jax.Array) -> QTensor:
         """Quantizes one array with this spec."""
-        qt = quantize(x, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
-                      symmetric=self.symmetric, saturate=self.saturate)
-        return pack(qt) if self.packed else qt
+        return quantize(x, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
+                        symmetric=self.symmetric, saturate=self.saturate, packed=self.packed)
 
 
-Rules = Union[None, QuantSpec, Sequence[tuple[str, "QuantSpec | None"]]]
+Rules = QuantSpec | Sequence[tuple[str, QuantSpec | None]] | None
 
 
 def path_str(path) -> str:
@@ -128,8 +127,8 @@ def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
     """
     checked = _check_rules(rules)
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_qtensor)
-    return {path_str(p): (None if is_qtensor(l) else _select(path_str(p), l, checked)[0])
-            for p, l in leaves}
+    return {path_str(p): (None if is_qtensor(leaf) else _select(path_str(p), leaf, checked)[0])
+            for p, leaf in leaves}
 
 
 def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
@@ -193,7 +192,7 @@ def dequantize_tree(tree: Any) -> Any:
       Array([[1., 0.],
              [0., 1.]], dtype=float32)
     """
-    return jax.tree.map(lambda l: dequantize(l) if is_qtensor(l) else l, tree,
+    return jax.tree.map(lambda leaf: dequantize(leaf) if is_qtensor(leaf) else leaf, tree,
                         is_leaf=is_qtensor)
 
 

@@ -61,7 +61,7 @@ def test_quantize_tree_under_jit_matches_eager():
     p = _params()
     eager = jq.quantize_tree(p)
     jitted = jax.jit(jq.quantize_tree)(p)
-    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted)):
+    for a, b in zip(jax.tree.leaves(eager), jax.tree.leaves(jitted), strict=True):
         np.testing.assert_array_equal(a, b)
 
 
