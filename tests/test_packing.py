@@ -101,3 +101,22 @@ def test_packed_array_is_a_pytree_through_jit():
     out = jax.jit(lambda p: p)(p)
     assert isinstance(out, jq.PackedArray) and out.shape == (3, 5) and out.axis == 1
     np.testing.assert_array_equal(out.data, p.data)
+
+
+@pytest.mark.parametrize("fmt", PACKABLE)
+@pytest.mark.parametrize("gran", [dict(), dict(axis=0), dict(axis=1, block_size=4)])
+def test_quantize_packed_fast_path_equals_pack_of_quantize(fmt, gran):
+    x = jnp.asarray(np.random.default_rng(5).standard_normal((6, 9)).astype(np.float32))
+    sym = not jq.get_format(fmt).is_integer or jq.get_format(fmt).signed
+    slow = jq.pack(jq.quantize(x, dtype=fmt, symmetric=sym, **gran))
+    fast = jq.quantize(x, dtype=fmt, symmetric=sym, packed=True, **gran)
+    assert fast.packed and fast.qvalue.axis == 1
+    np.testing.assert_array_equal(fast.qvalue.data, slow.qvalue.data)
+    np.testing.assert_array_equal(jq.dequantize(fast), jq.dequantize(jq.unpack(slow)))
+    jitted = jax.jit(lambda x: jq.quantize(x, dtype=fmt, symmetric=sym, packed=True, **gran))(x)
+    np.testing.assert_array_equal(jitted.qvalue.data, slow.qvalue.data)
+
+
+def test_quantize_packed_rejects_wide_formats():
+    with pytest.raises(ValueError, match="packed=True needs a 2- or 4-bit format and an input of rank >= 1, got int8"):
+        jq.quantize(jnp.ones(4), dtype=jnp.int8, packed=True)
