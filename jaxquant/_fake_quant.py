@@ -37,7 +37,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._formats import get_format
 from jaxquant._granularity import Layout, expand, group_reduce, layout_from_args, layout_from_scale
-from jaxquant._qtensor import check_zero_point
+from jaxquant._qtensor import check_zero_point, zero_point_like_scale
 from jaxquant._quantize import as_float_input
 from jaxquant._rounding import divide, round_to_codes
 from jaxquant._scales import compute_scale
@@ -118,9 +118,7 @@ def fake_quant(
         layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
     if zero_point is not None:
         zero_point = jnp.asarray(zero_point)
-        if zero_point.shape != scale.shape:
-            raise ValueError(f"zero_point must have the shape of scale, {scale.shape}; got "
-                             f"{zero_point.shape}.")
+        zero_point = zero_point_like_scale(zero_point, scale)
         if not (fmt.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)):
             check_zero_point(zero_point, fmt)
             zero_point = jax.lax.stop_gradient(zero_point)

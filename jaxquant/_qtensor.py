@@ -14,11 +14,27 @@ from jaxquant._formats import Format, get_format
 from jaxquant._granularity import Layout, expand, layout_from_scale
 from jaxquant._packing import PackedArray
 
-__all__ = ["QTensor", "is_qtensor", "check_zero_point"]
+__all__ = ["QTensor", "is_qtensor", "check_zero_point", "zero_point_like_scale"]
 
 
 def _is_arraylike(v) -> bool:
     return hasattr(v, "shape") and hasattr(v, "dtype")
+
+
+def zero_point_like_scale(zero_point, scale):
+    """``zero_point`` in the shape of ``scale``, or a ValueError naming both shapes.
+
+    One-element zero points and scales are both per-tensor whatever their rank
+    (ONNX's own conformance cases pair a scalar scale with a ``[1]`` zero
+    point), so they are reshaped to the scale's shape.
+    """
+    zshape, sshape = tuple(zero_point.shape), tuple(scale.shape)
+    if zshape == sshape:
+        return zero_point
+    if math.prod(zshape) == 1 and math.prod(sshape) == 1 and len(zshape) <= 1 \
+            and len(sshape) <= 1:
+        return zero_point.reshape(sshape)
+    raise ValueError(f"zero_point must have the shape of scale, {sshape}; got {zshape}.")
 
 
 def check_zero_point(zero_point, fmt: Format) -> None:
@@ -131,11 +147,7 @@ class QTensor:
             if not _is_arraylike(zero_point):
                 raise TypeError(f"zero_point must be an array or None, got "
                                 f"{type(zero_point).__name__}.")
-            if tuple(zero_point.shape) != tuple(scale.shape):
-                raise ValueError(
-                    f"zero_point must have the shape of scale, {tuple(scale.shape)}; "
-                    f"got {tuple(zero_point.shape)}."
-                )
+            zero_point = zero_point_like_scale(zero_point, scale)
             check_zero_point(zero_point, fmt)
         for name, value in (
             ("qvalue", qvalue), ("scale", scale), ("zero_point", zero_point),

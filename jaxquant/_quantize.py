@@ -19,7 +19,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxquant._formats import Format, get_format
 from jaxquant._granularity import Layout, apply_grouped, layout_from_args, layout_from_scale
 from jaxquant._packing import PackedArray, pack_bits, pack_fields
-from jaxquant._qtensor import QTensor, check_zero_point
+from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
 from jaxquant._rounding import divide, round_to_codes
 from jaxquant._scales import compute_scale
 
@@ -131,9 +131,7 @@ def quantize(
     layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
     if zero_point is not None:
         zero_point = jnp.asarray(zero_point)
-        if zero_point.shape != scale.shape:
-            raise ValueError(f"zero_point must have the shape of scale, {scale.shape}; got "
-                             f"{zero_point.shape}.")
+        zero_point = zero_point_like_scale(zero_point, scale)
         check_zero_point(zero_point, fmt)
     return _quantize_explicit(x, scale, zero_point, fmt.dtype, layout, bool(saturate), packed)
 

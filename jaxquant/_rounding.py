@@ -81,7 +81,9 @@ def round_to_codes(
       An array of ``fmt.dtype`` (or int8 when ``wide``) and ``t``'s shape.
     """
     if not fmt.is_integer:
-        if zero_point is not None:  # all zeros (checked by the caller); ONNX adds it
+        if zero_point is not None and fmt.bits < 8:
+            # All zeros (checked by the caller). ONNX adds it for float4 only; adding it
+            # for float8 would turn -0.0 into +0.0.
             t = t + zero_point.astype(jnp.float32)
         if saturate:
             t = jnp.clip(t, -fmt.max_finite, fmt.max_finite)
