@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -167,8 +166,9 @@ def _fake_quant_bwd(config: _Config, residuals, g):
     edge = jnp.where(raw < lo, jnp.float32(fmt.qmin) - zpv, jnp.float32(fmt.qmax) - zpv)
     dscale = g * jnp.where(inside, (fq - xf) / s, edge)
     factor = 1.0
-    if config.grad_scale:
-        factor = 1.0 / math.sqrt(config.layout.group_size(x.shape) * fmt.qmax)
+    if config.grad_scale:  # N = elements sharing each scale (fewer in a partial last block)
+        count = group_reduce(jnp.ones(x.shape, jnp.float32), config.layout, jnp.sum)
+        factor = jax.lax.rsqrt(count * jnp.float32(fmt.qmax))
 
     def to_scale(v):
         return (group_reduce(v, config.layout, jnp.sum) * factor).reshape(scale.shape)

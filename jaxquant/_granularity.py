@@ -52,14 +52,6 @@ class Layout:
         s[self.axis] = -(-shape[self.axis] // self.block_size)
         return tuple(s)
 
-    def group_size(self, shape: tuple[int, ...]) -> int:
-        """How many elements share one scale (the largest group, for partial blocks)."""
-        if self.kind == "tensor":
-            return math.prod(shape)
-        if self.kind == "axis":
-            return math.prod(shape) // max(shape[self.axis], 1)
-        return math.prod(shape) // max(shape[self.axis], 1) * min(self.block_size, shape[self.axis])
-
 
 def normalize_axis(axis: int, ndim: int, argname: str = "axis") -> int:
     """Returns ``axis`` as a non-negative int, or raises a ValueError naming it."""

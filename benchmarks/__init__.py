@@ -1,0 +1,1 @@
+"""Benchmarks of jaxquant against plain jnp, ONNX Runtime, PyTorch and qwix (see README.md)."""

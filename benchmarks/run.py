@@ -1,0 +1,559 @@
+"""Core benchmark: jaxquant quantize / dequantize / fake_quant against its peers.
+
+Run from the repository root (either form)::
+
+    python -m benchmarks.run                  # 8192 x 8192 float32, 7 rounds
+    python benchmarks/run.py --size 2048 --repeats 3 --only int4
+
+Every case runs in this one process on the same random-normal array. Cases are
+timed round-robin: each round runs every case once, in turn, so that a noisy
+neighbour slows all cases alike; the table reports the median over rounds and
+the minimum. JAX functions are jitted and compiled (warmed up) before timing,
+their inputs are already on the device, and each call is timed up to
+``block_until_ready()``. Peers (ONNX Runtime, PyTorch, qwix) are optional: a
+missing package gives a "not installed" row.
+
+Results go to ``<out>/core.json`` and ``<out>/core.md``; see
+``benchmarks/README.md`` for what each row means.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import functools
+import importlib
+import importlib.metadata
+import importlib.util
+import json
+import os
+import pathlib
+import platform
+import resource
+import statistics
+import sys
+import time
+import warnings
+from collections.abc import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxquant as jq
+
+LIMIT_CASE = "numpy.copyto (preallocated)"
+"""The memory-copy limit: every case is compared with its bandwidth."""
+
+THREADS = 2
+"""Intra-op threads for ONNX Runtime and PyTorch (the machine's core count)."""
+
+PEER_PACKAGES = ("jax", "jaxlib", "numpy", "onnxruntime", "onnx", "torch", "qwix")
+
+ENV_VARS = ("GLIBC_TUNABLES", "XLA_FLAGS", "OMP_NUM_THREADS")
+"""Environment variables that change the timings, recorded with the results."""
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+class Inputs:
+    """The benchmark array and everything derived from it, built once on first use.
+
+    Attributes:
+      size: the array is ``size x size`` float32.
+    """
+
+    def __init__(self, size: int, seed: int = 0):
+        self.size = size
+        self.seed = seed
+
+    @functools.cached_property
+    def x_np(self) -> np.ndarray:
+        """The random-normal float32 array, in host memory."""
+        return np.random.default_rng(self.seed).standard_normal((self.size,) * 2, np.float32)
+
+    @functools.cached_property
+    def x(self) -> jax.Array:
+        """``x_np`` on the JAX device."""
+        return jax.device_put(self.x_np).block_until_ready()
+
+    @functools.cached_property
+    def scale_np(self) -> np.float32:
+        """Per-tensor int8 scale: ``absmax / 127``."""
+        return np.float32(np.abs(self.x_np).max() / np.float32(127))
+
+    @functools.cached_property
+    def scales_np(self) -> np.ndarray:
+        """Per-row (axis 0) int8 scales: ``absmax / 127`` of each row."""
+        return (np.abs(self.x_np).max(axis=1) / np.float32(127)).astype(np.float32)
+
+    @functools.cached_property
+    def scale(self) -> jax.Array:
+        """``scale_np`` on the device."""
+        return jnp.asarray(self.scale_np)
+
+    @functools.cached_property
+    def scales(self) -> jax.Array:
+        """``scales_np`` on the device."""
+        return jnp.asarray(self.scales_np)
+
+    @functools.cached_property
+    def qt(self) -> jq.QTensor:
+        """Per-tensor int8 `QTensor` of ``x`` (the dequantize input)."""
+        return jax.block_until_ready(jq.quantize(self.x, self.scale))
+
+    @functools.cached_property
+    def qt_ch(self) -> jq.QTensor:
+        """Per-row int8 `QTensor` of ``x`` (the per-channel dequantize input)."""
+        return jax.block_until_ready(jq.quantize(self.x, self.scales, axis=0))
+
+    @functools.cached_property
+    def codes_np(self) -> np.ndarray:
+        """Per-tensor int8 codes in host memory."""
+        return np.asarray(self.qt.qvalue)
+
+    @functools.cached_property
+    def codes_ch_np(self) -> np.ndarray:
+        """Per-row int8 codes in host memory."""
+        return np.asarray(self.qt_ch.qvalue)
+
+
+# --------------------------------------------------------------------------- cases
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One benchmark row.
+
+    Attributes:
+      name: the row label (library and operation).
+      group: the format and granularity the row belongs to.
+      bytes_per_element: bytes that must cross memory per array element
+        (input read plus output written; an extra read where the scale must be
+        known before the first code can be written).
+      build: makes the zero-argument callable to time from the `Inputs`; the
+        callable must return only when the work is done.
+      baseline: the name of the plain ``jnp`` case doing the same operation.
+      requires: the optional package the case needs.
+    """
+
+    name: str
+    group: str
+    bytes_per_element: float
+    build: Callable[[Inputs], Callable[[], object]]
+    baseline: str | None = None
+    requires: str | None = None
+
+
+def jax_call(fn: Callable, *args) -> Callable[[], object]:
+    """``jax.jit(fn)`` bound to ``args``, as a callable that blocks until the result is ready."""
+    jitted = jax.jit(fn)
+    return lambda: jax.block_until_ready(jitted(*args))
+
+
+def plain_quantize(x, s):
+    """The usual inexact one-liner: ``clip(round(x / s), -128, 127)`` as int8."""
+    return jnp.clip(jnp.round(x / s), -128, 127).astype(jnp.int8)
+
+
+def plain_dequantize(q, s):
+    """``q * s`` in float32."""
+    return q.astype(jnp.float32) * s
+
+
+def plain_fake_quant(x, s):
+    """``dequantize(quantize(x))`` without a custom gradient."""
+    return jnp.clip(jnp.round(x / s), -128, 127) * s
+
+
+def plain_absmax_scale(x, axis=None, qmax=127):
+    """``absmax / qmax`` over ``axis`` (all of ``x`` for ``None``), kept broadcastable."""
+    return jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None) / qmax
+
+
+def plain_block_codes(x, block=128, qmax=7):
+    """Blocked symmetric codes along the last axis, stored as int8 (no sub-byte dtype)."""
+    b = x.reshape(x.shape[0], -1, block)
+    s = plain_absmax_scale(b, axis=-1, qmax=qmax)
+    q = jnp.clip(jnp.round(b / s), -qmax - 1, qmax).astype(jnp.int8)
+    return q.reshape(x.shape), s
+
+
+def donated_fake_quant(inp: Inputs) -> Callable[[], object]:
+    """``jq.fake_quant`` with its input donated: XLA writes the result into the input's buffer.
+
+    Each call feeds the previous result back in (the same work every time), so
+    no call needs a freshly allocated output.
+    """
+    fn = jax.jit(jq.fake_quant, donate_argnums=0)
+    state = [inp.x + 0]  # a private copy: donation consumes it
+
+    def call():
+        state[0] = fn(state[0], inp.scale).block_until_ready()
+
+    return call
+
+
+def numpy_copy(inp: Inputs) -> Callable[[], object]:
+    """``numpy.copyto`` into a buffer allocated (and touched) once."""
+    out = np.empty_like(inp.x_np)
+    np.copyto(out, inp.x_np)
+    return lambda: np.copyto(out, inp.x_np)
+
+
+def ort_call(op: str, x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray,
+             axis: int | None = None) -> Callable[[], object]:
+    """A one-node ONNX Runtime session running ``op`` (QuantizeLinear or DequantizeLinear)."""
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    out_type = TensorProto.INT8 if op == "QuantizeLinear" else TensorProto.FLOAT
+    attrs = {} if axis is None else {"axis": axis}
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "scale", "zero_point"], ["y"], **attrs)],
+        op,
+        [helper.make_tensor_value_info("x", helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)],
+        [helper.make_tensor_value_info("y", out_type, x.shape)],
+        [numpy_helper.from_array(np.asarray(scale, np.float32), "scale"),
+         numpy_helper.from_array(np.asarray(zero_point, np.int8), "zero_point")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    onnx.checker.check_model(model)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = THREADS
+    session = ort.InferenceSession(model.SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    return lambda: session.run(None, {"x": x})
+
+
+def torch_call(fn_name: str, make_args: Callable[[object], tuple]) -> Callable[[], object]:
+    """``torch.<fn_name>(*make_args(torch))`` with ``THREADS`` intra-op threads."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    fn = getattr(torch, fn_name)
+    args = make_args(torch)
+    return lambda: fn(*args)
+
+
+def torch_qtensor(inp: Inputs, per_channel: bool):
+    """The torch quantized tensor matching ``inp.qt`` / ``inp.qt_ch`` (dequantize input)."""
+    import torch
+
+    x = torch.from_numpy(inp.x_np)
+    if per_channel:
+        n = inp.size
+        return torch.quantize_per_channel(x, torch.from_numpy(inp.scales_np).double(),
+                                          torch.zeros(n, dtype=torch.int64), 0, torch.qint8)
+    return torch.quantize_per_tensor(x, float(inp.scale_np), 0, torch.qint8)
+
+
+def qwix_call(qtype, **kwargs) -> Callable[[Inputs], Callable[[], object]]:
+    """A builder of ``qwix.quantize(x, qtype, **kwargs)``, jitted (computed absmax scales)."""
+    def build(inp: Inputs):
+        import qwix
+
+        return jax_call(lambda x: qwix.quantize(x, qtype, **kwargs), inp.x)
+
+    return build
+
+
+def _pt(name: str) -> str:
+    return f"plain jnp {name}"
+
+
+def cases() -> list[Case]:
+    """The table of benchmark cases, in the order they run and print."""
+    t, c, cm, b4 = ("int8 per-tensor", "int8 per-channel (axis 0)", "int8 computed scale",
+                    "int4 block-128 computed")
+    ort, torch, qwix = "onnxruntime", "torch", "qwix"
+    return [
+        Case(LIMIT_CASE, "memory copy", 8, numpy_copy),
+        Case("jax jit copy (x + 0)", "memory copy", 8, lambda i: jax_call(lambda x: x + 0, i.x)),
+        # --- per-tensor, explicit scale
+        Case("jaxquant quantize", t, 5,
+             lambda i: jax_call(jq.quantize, i.x, i.scale), _pt("quantize")),
+        Case(_pt("quantize"), t, 5, lambda i: jax_call(plain_quantize, i.x, i.scale)),
+        Case("onnxruntime QuantizeLinear", t, 5,
+             lambda i: ort_call("QuantizeLinear", i.x_np, i.scale_np, np.int8(0)),
+             _pt("quantize"), ort),
+        Case("torch quantize_per_tensor", t, 5,
+             lambda i: torch_call("quantize_per_tensor", lambda th: (
+                 th.from_numpy(i.x_np), float(i.scale_np), 0, th.qint8)),
+             _pt("quantize"), torch),
+        Case("jaxquant dequantize", t, 5,
+             lambda i: jax_call(jq.dequantize, i.qt), _pt("dequantize")),
+        Case(_pt("dequantize"), t, 5,
+             lambda i: jax_call(plain_dequantize, i.qt.qvalue, i.scale)),
+        Case("onnxruntime DequantizeLinear", t, 5,
+             lambda i: ort_call("DequantizeLinear", i.codes_np, i.scale_np, np.int8(0)),
+             _pt("dequantize"), ort),
+        Case("torch dequantize", t, 5,
+             lambda i: torch_call("dequantize", lambda th: (torch_qtensor(i, False),)),
+             _pt("dequantize"), torch),
+        Case("jaxquant fake_quant", t, 8,
+             lambda i: jax_call(jq.fake_quant, i.x, i.scale), _pt("fake_quant")),
+        Case("jaxquant fake_quant (input donated)", t, 8, donated_fake_quant, _pt("fake_quant")),
+        Case(_pt("fake_quant"), t, 8, lambda i: jax_call(plain_fake_quant, i.x, i.scale)),
+        Case("torch fake_quantize_per_tensor_affine", t, 8,
+             lambda i: torch_call("fake_quantize_per_tensor_affine", lambda th: (
+                 th.from_numpy(i.x_np), float(i.scale_np), 0, -128, 127)),
+             _pt("fake_quant"), torch),
+        # --- per-channel (one scale per row), explicit scale
+        Case("jaxquant quantize (axis 0)", c, 5,
+             lambda i: jax_call(functools.partial(jq.quantize, axis=0), i.x, i.scales),
+             _pt("quantize (axis 0)")),
+        Case(_pt("quantize (axis 0)"), c, 5,
+             lambda i: jax_call(plain_quantize, i.x, i.scales[:, None])),
+        Case("onnxruntime QuantizeLinear (axis 0)", c, 5,
+             lambda i: ort_call("QuantizeLinear", i.x_np, i.scales_np,
+                                np.zeros(i.size, np.int8), axis=0),
+             _pt("quantize (axis 0)"), ort),
+        Case("torch quantize_per_channel", c, 5,
+             lambda i: torch_call("quantize_per_channel", lambda th: (
+                 th.from_numpy(i.x_np), th.from_numpy(i.scales_np).double(),
+                 th.zeros(i.size, dtype=th.int64), 0, th.qint8)),
+             _pt("quantize (axis 0)"), torch),
+        Case("jaxquant dequantize (axis 0)", c, 5,
+             lambda i: jax_call(jq.dequantize, i.qt_ch), _pt("dequantize (axis 0)")),
+        Case(_pt("dequantize (axis 0)"), c, 5,
+             lambda i: jax_call(plain_dequantize, i.qt_ch.qvalue, i.scales[:, None])),
+        Case("onnxruntime DequantizeLinear (axis 0)", c, 5,
+             lambda i: ort_call("DequantizeLinear", i.codes_ch_np, i.scales_np,
+                                np.zeros(i.size, np.int8), axis=0),
+             _pt("dequantize (axis 0)"), ort),
+        Case("torch dequantize (per-channel)", c, 5,
+             lambda i: torch_call("dequantize", lambda th: (torch_qtensor(i, True),)),
+             _pt("dequantize (axis 0)"), torch),
+        # --- int8, scales computed from the data
+        Case("jaxquant quantize (computed, per-tensor)", cm, 9,
+             lambda i: jax_call(jq.quantize, i.x), _pt("quantize (computed, per-tensor)")),
+        Case(_pt("quantize (computed, per-tensor)"), cm, 9,
+             lambda i: jax_call(lambda x: plain_quantize(x, plain_absmax_scale(x)), i.x)),
+        Case("jaxquant quantize (computed, axis 0)", cm, 5,
+             lambda i: jax_call(functools.partial(jq.quantize, axis=0), i.x),
+             _pt("quantize (computed, axis 0)")),
+        Case(_pt("quantize (computed, axis 0)"), cm, 5,
+             lambda i: jax_call(lambda x: plain_quantize(x, plain_absmax_scale(x, 1)), i.x)),
+        Case("qwix quantize (int8, channelwise_axes=(0,))", cm, 5,
+             qwix_call(jnp.int8, channelwise_axes=(0,)),
+             _pt("quantize (computed, axis 0)"), qwix),
+        # --- int4 in blocks of 128 along the rows, computed scales
+        Case("jaxquant int4 + jq.pack (one jit)", b4, 4.5,
+             lambda i: jax_call(lambda x: jq.pack(jq.quantize(
+                 x, dtype=jnp.int4, axis=-1, block_size=128)), i.x),
+             _pt("int8-stored int4 codes")),
+        Case("jaxquant int4 packed=True", b4, 4.5,
+             lambda i: jax_call(lambda x: jq.quantize(
+                 x, dtype=jnp.int4, axis=-1, block_size=128, packed=True), i.x),
+             _pt("int8-stored int4 codes")),
+        Case("jaxquant int4 (unpacked jnp.int4 codes)", b4, 4.5,
+             lambda i: jax_call(functools.partial(
+                 jq.quantize, dtype=jnp.int4, axis=-1, block_size=128), i.x),
+             _pt("int8-stored int4 codes")),
+        Case("jaxquant int8 block-128 (int8 codes)", b4, 5,
+             lambda i: jax_call(functools.partial(
+                 jq.quantize, dtype=jnp.int8, axis=-1, block_size=128), i.x),
+             _pt("int8-stored int4 codes")),
+        Case(_pt("int8-stored int4 codes"), b4, 5,
+             lambda i: jax_call(plain_block_codes, i.x)),
+        Case("qwix quantize (int4, tiled_axes={1: 128})", b4, 4.5,
+             qwix_call(jnp.int4, tiled_axes={1: 128}), _pt("int8-stored int4 codes"), qwix),
+    ]
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def time_call(fn: Callable[[], object]) -> tuple[float, int]:
+    """Seconds one call of ``fn`` takes, and the minor page faults it causes.
+
+    ``fn`` must return when its work is done. Minor faults count the fresh
+    4 KiB pages the call touches (a newly allocated output, typically).
+    """
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+
+def prepare(case: Case, inp: Inputs, warmup: int = 2) -> tuple[Callable[[], object] | None, str]:
+    """The case's callable, built and warmed up (compiled), or ``None`` and why not."""
+    if case.requires and importlib.util.find_spec(case.requires) is None:
+        return None, "not installed"
+    try:
+        fn = case.build(inp)
+        for _ in range(warmup):
+            fn()
+    except Exception as e:  # a peer's API drift must not sink the whole run
+        return None, f"error: {type(e).__name__}: {e}".splitlines()[0][:160]
+    return fn, ""
+
+
+def run_rounds(fns: dict[str, Callable[[], object]],
+               repeats: int) -> dict[str, list[tuple[float, int]]]:
+    """Times every callable once per round, in turn: ``repeats`` (seconds, faults) each."""
+    times: dict[str, list[tuple[float, int]]] = {name: [] for name in fns}
+    for r in range(repeats):
+        start = time.perf_counter()
+        for name, fn in fns.items():
+            times[name].append(time_call(fn))
+        print(f"  round {r + 1}/{repeats}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return times
+
+
+# --------------------------------------------------------------------------- report
+
+
+def machine_info() -> dict:
+    """Platform, CPU and the versions of every package involved (``None``: not installed)."""
+    versions = {}
+    for pkg in PEER_PACKAGES:
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax_backend": jax.default_backend(),
+        "env": {k: os.environ.get(k) for k in ENV_VARS},
+        "versions": versions,
+    }
+
+
+def summarize(selected: Sequence[Case], notes: dict[str, str],
+              times: dict[str, list[tuple[float, int]]], size: int) -> list[dict]:
+    """One result record per case: medians, minima, ratios, bandwidth and page faults."""
+    elements = size * size
+    median = {name: statistics.median(t for t, _ in ts) for name, ts in times.items()}
+    limit_bps = 8 * elements / median[LIMIT_CASE] if LIMIT_CASE in median else None
+    rows = []
+    for case in selected:
+        row = {"name": case.name, "group": case.group, "status": notes.get(case.name) or "ok",
+               "bytes_moved": int(case.bytes_per_element * elements),
+               "median_ms": None, "min_ms": None, "ratio_to_plain_jnp": None,
+               "ratio_to_copy_limit": None, "gb_per_s": None, "page_faults": None,
+               "plain_jnp_case": case.baseline}
+        if case.name in times:
+            sec = median[case.name]
+            row.update(median_ms=1e3 * sec, min_ms=1e3 * min(t for t, _ in times[case.name]),
+                       gb_per_s=row["bytes_moved"] / sec / 1e9,
+                       page_faults=int(statistics.median(f for _, f in times[case.name])))
+            if case.baseline in median:
+                row["ratio_to_plain_jnp"] = sec / median[case.baseline]
+            if limit_bps:
+                row["ratio_to_copy_limit"] = sec / (row["bytes_moved"] / limit_bps)
+        rows.append(row)
+    return rows
+
+
+def _fmt(v, spec: str) -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def markdown(report: dict) -> str:
+    """The results as a markdown table with a header line naming the date and machine."""
+    m = report["machine"]
+    v = m["versions"]
+    lines = [
+        f"{report['date']} · {m['cpu']}, {m['cpu_count']} CPUs ({m['platform']}) · "
+        f"jax {v['jax']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
+        f"torch {v['torch']}, qwix {v['qwix']} · {report['size']}x{report['size']} float32, "
+        f"median of {report['repeats']} round-robin rounds",
+        "",
+        "| case | group | median ms | min ms | vs plain jnp | vs copy limit | GB/s "
+        "| page faults |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in report["cases"]:
+        if r["status"] != "ok":
+            lines.append(f"| {r['name']} | {r['group']} | {r['status']} | | | | | |")
+            continue
+        lines.append(
+            f"| {r['name']} | {r['group']} | {r['median_ms']:.1f} | {r['min_ms']:.1f} | "
+            f"{_fmt(r['ratio_to_plain_jnp'], '.2f')} | {_fmt(r['ratio_to_copy_limit'], '.2f')} | "
+            f"{r['gb_per_s']:.1f} | {r['page_faults']} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_atomic(path: pathlib.Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a ``.tmp`` file, so readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------- main
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    """The command line options."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--size", type=int, default=8192,
+                   help="the array is SIZE x SIZE float32 (default 8192; a multiple of 128)")
+    p.add_argument("--repeats", type=int, default=7, help="round-robin rounds (default 7)")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"),
+                   help="output folder for core.json and core.md (default benchmarks/results)")
+    p.add_argument("--only", default="",
+                   help="run only cases whose name or group contains this substring "
+                        "(the copy limit always runs)")
+    args = p.parse_args(argv)
+    if args.size < 128 or args.size % 128:
+        p.error(f"--size must be a positive multiple of 128 (the int4 block), got {args.size}")
+    if args.repeats < 1:
+        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Builds, warms up and times the selected cases, then writes core.json and core.md."""
+    args = parse_args(argv)
+    wall = time.perf_counter()
+    # PyTorch's quantized tensors are deprecated; they are still the reference to beat.
+    warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
+    selected = [c for c in cases()
+                if c.name == LIMIT_CASE or args.only in c.name or args.only in c.group]
+    inp = Inputs(args.size)
+    fns, notes = {}, {}
+    for case in selected:
+        print(f"preparing {case.name}", file=sys.stderr)
+        fn, notes[case.name] = prepare(case, inp)
+        if fn is not None:
+            fns[case.name] = fn
+    print(f"timing {len(fns)} cases, {args.repeats} rounds", file=sys.stderr)
+    times = run_rounds(fns, args.repeats)
+    report = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "machine": machine_info(),
+        "size": args.size,
+        "repeats": args.repeats,
+        "limit_case": LIMIT_CASE,
+        "cases": summarize(selected, notes, times, args.size),
+    }
+    report["wall_s"] = round(time.perf_counter() - wall, 1)
+    table = markdown(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "core.json", json.dumps(report, indent=2) + "\n")
+    write_atomic(args.out / "core.md", table)
+    print(table)
+    print(f"wrote {args.out / 'core.json'} and {args.out / 'core.md'} "
+          f"({report['wall_s']} s)", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
