@@ -27,10 +27,7 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
-import os
 import pathlib
-import platform
-import resource
 import statistics
 import sys
 import time
@@ -43,16 +40,17 @@ import numpy as np
 
 import jaxquant as jq
 
+try:  # python -m benchmarks.run
+    from benchmarks._harness import machine_info, run_rounds, write_atomic
+    from benchmarks._peers import ort_call, torch_call
+except ImportError:  # python benchmarks/run.py
+    from _harness import machine_info, run_rounds, write_atomic
+    from _peers import ort_call, torch_call
+
 LIMIT_CASE = "numpy.copyto (preallocated)"
 """The memory-copy limit: every case is compared with its bandwidth."""
 
-THREADS = 2
-"""Intra-op threads for ONNX Runtime and PyTorch (the machine's core count)."""
-
 PEER_PACKAGES = ("jax", "jaxlib", "numpy", "onnxruntime", "onnx", "torch", "qwix")
-
-ENV_VARS = ("GLIBC_TUNABLES", "XLA_FLAGS", "OMP_NUM_THREADS")
-"""Environment variables that change the timings, recorded with the results."""
 
 
 # --------------------------------------------------------------------------- inputs
@@ -196,47 +194,27 @@ def donated_fake_quant(inp: Inputs) -> Callable[[], object]:
     return call
 
 
+def quantize_into_donated_buffer(inp: Inputs) -> Callable[[], object]:
+    """``jq.quantize`` writing its codes into the previous call's donated code buffer.
+
+    The output has the shape and dtype of the donated argument, so XLA aliases
+    them and no call allocates (and page-faults in) a fresh 64 MiB output: the
+    JAX equivalent of ONNX Runtime's reused memory pool.
+    """
+    fn = jax.jit(lambda x, s, out: jq.quantize(x, s).qvalue, donate_argnums=2, keep_unused=True)
+    state = [jnp.zeros(inp.x.shape, jnp.int8)]
+
+    def call():
+        state[0] = fn(inp.x, inp.scale, state[0]).block_until_ready()
+
+    return call
+
+
 def numpy_copy(inp: Inputs) -> Callable[[], object]:
     """``numpy.copyto`` into a buffer allocated (and touched) once."""
     out = np.empty_like(inp.x_np)
     np.copyto(out, inp.x_np)
     return lambda: np.copyto(out, inp.x_np)
-
-
-def ort_call(op: str, x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray,
-             axis: int | None = None) -> Callable[[], object]:
-    """A one-node ONNX Runtime session running ``op`` (QuantizeLinear or DequantizeLinear)."""
-    import onnx
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
-
-    out_type = TensorProto.INT8 if op == "QuantizeLinear" else TensorProto.FLOAT
-    attrs = {} if axis is None else {"axis": axis}
-    graph = helper.make_graph(
-        [helper.make_node(op, ["x", "scale", "zero_point"], ["y"], **attrs)],
-        op,
-        [helper.make_tensor_value_info("x", helper.np_dtype_to_tensor_dtype(x.dtype), x.shape)],
-        [helper.make_tensor_value_info("y", out_type, x.shape)],
-        [numpy_helper.from_array(np.asarray(scale, np.float32), "scale"),
-         numpy_helper.from_array(np.asarray(zero_point, np.int8), "zero_point")],
-    )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
-    onnx.checker.check_model(model)
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = THREADS
-    session = ort.InferenceSession(model.SerializeToString(), options,
-                                   providers=["CPUExecutionProvider"])
-    return lambda: session.run(None, {"x": x})
-
-
-def torch_call(fn_name: str, make_args: Callable[[object], tuple]) -> Callable[[], object]:
-    """``torch.<fn_name>(*make_args(torch))`` with ``THREADS`` intra-op threads."""
-    import torch
-
-    torch.set_num_threads(THREADS)
-    fn = getattr(torch, fn_name)
-    args = make_args(torch)
-    return lambda: fn(*args)
 
 
 def torch_qtensor(inp: Inputs, per_channel: bool):
@@ -296,6 +274,8 @@ def cases() -> list[Case]:
              _pt("dequantize"), torch),
         Case("jaxquant fake_quant", t, 8,
              lambda i: jax_call(jq.fake_quant, i.x, i.scale), _pt("fake_quant")),
+        Case("jaxquant quantize (output buffer donated)", t, 5, quantize_into_donated_buffer,
+             _pt("quantize")),
         Case("jaxquant fake_quant (input donated)", t, 8, donated_fake_quant, _pt("fake_quant")),
         Case(_pt("fake_quant"), t, 8, lambda i: jax_call(plain_fake_quant, i.x, i.scale)),
         Case("torch fake_quantize_per_tensor_affine", t, 8,
@@ -368,19 +348,6 @@ def cases() -> list[Case]:
 # --------------------------------------------------------------------------- timing
 
 
-def time_call(fn: Callable[[], object]) -> tuple[float, int]:
-    """Seconds one call of ``fn`` takes, and the minor page faults it causes.
-
-    ``fn`` must return when its work is done. Minor faults count the fresh
-    4 KiB pages the call touches (a newly allocated output, typically).
-    """
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    start = time.perf_counter()
-    fn()
-    seconds = time.perf_counter() - start
-    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
-
-
 def prepare(case: Case, inp: Inputs, warmup: int = 2) -> tuple[Callable[[], object] | None, str]:
     """The case's callable, built and warmed up (compiled), or ``None`` and why not."""
     if case.requires and importlib.util.find_spec(case.requires) is None:
@@ -394,44 +361,7 @@ def prepare(case: Case, inp: Inputs, warmup: int = 2) -> tuple[Callable[[], obje
     return fn, ""
 
 
-def run_rounds(fns: dict[str, Callable[[], object]],
-               repeats: int) -> dict[str, list[tuple[float, int]]]:
-    """Times every callable once per round, in turn: ``repeats`` (seconds, faults) each."""
-    times: dict[str, list[tuple[float, int]]] = {name: [] for name in fns}
-    for r in range(repeats):
-        start = time.perf_counter()
-        for name, fn in fns.items():
-            times[name].append(time_call(fn))
-        print(f"  round {r + 1}/{repeats}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
-    return times
-
-
 # --------------------------------------------------------------------------- report
-
-
-def machine_info() -> dict:
-    """Platform, CPU and the versions of every package involved (``None``: not installed)."""
-    versions = {}
-    for pkg in PEER_PACKAGES:
-        try:
-            versions[pkg] = importlib.metadata.version(pkg)
-        except importlib.metadata.PackageNotFoundError:
-            versions[pkg] = None
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "jax_backend": jax.default_backend(),
-        "env": {k: os.environ.get(k) for k in ENV_VARS},
-        "versions": versions,
-    }
 
 
 def summarize(selected: Sequence[Case], notes: dict[str, str],
@@ -490,13 +420,6 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_atomic(path: pathlib.Path, text: str) -> None:
-    """Writes ``text`` to ``path`` through a ``.tmp`` file, so readers never see half a file."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
-
-
 # --------------------------------------------------------------------------- main
 
 
@@ -538,7 +461,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     times = run_rounds(fns, args.repeats)
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "machine": machine_info(),
+        "machine": machine_info(PEER_PACKAGES),
         "size": args.size,
         "repeats": args.repeats,
         "limit_case": LIMIT_CASE,

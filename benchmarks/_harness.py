@@ -1,0 +1,81 @@
+"""Shared benchmark harness: round-robin timing with page-fault counts, machine info, output.
+
+Every benchmark in this folder times its cases in one process, round-robin
+(each round runs every case once, in turn, so a noisy neighbour slows all cases
+alike), and reports medians. Page faults are counted because on this kind of
+machine faulting in a fresh output buffer is most of the cost of a
+memory-bound XLA call.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import pathlib
+import platform
+import resource
+import sys
+import time
+from collections.abc import Callable, Sequence
+
+import jax
+
+ENV_VARS = ("GLIBC_TUNABLES", "XLA_FLAGS", "OMP_NUM_THREADS")
+"""Environment variables that change the timings, recorded with the results."""
+
+
+def time_call(fn: Callable[[], object]) -> tuple[float, int]:
+    """Seconds one call of ``fn`` takes, and the minor page faults it causes.
+
+    ``fn`` must return when its work is done. Minor faults count the fresh
+    4 KiB pages the call touches (a newly allocated output, typically).
+    """
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    start = time.perf_counter()
+    fn()
+    seconds = time.perf_counter() - start
+    return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
+
+
+def run_rounds(fns: dict[str, Callable[[], object]],
+               repeats: int) -> dict[str, list[tuple[float, int]]]:
+    """Times every callable once per round, in turn: ``repeats`` (seconds, faults) each."""
+    times: dict[str, list[tuple[float, int]]] = {name: [] for name in fns}
+    for r in range(repeats):
+        start = time.perf_counter()
+        for name, fn in fns.items():
+            times[name].append(time_call(fn))
+        print(f"  round {r + 1}/{repeats}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
+    return times
+
+
+def machine_info(packages: Sequence[str]) -> dict:
+    """Platform, CPU and the versions of every package involved (``None``: not installed)."""
+    versions = {}
+    for pkg in packages:
+        try:
+            versions[pkg] = importlib.metadata.version(pkg)
+        except importlib.metadata.PackageNotFoundError:
+            versions[pkg] = None
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "jax_backend": jax.default_backend(),
+        "env": {k: os.environ.get(k) for k in ENV_VARS},
+        "versions": versions,
+    }
+
+
+def write_atomic(path: pathlib.Path, text: str) -> None:
+    """Writes ``text`` to ``path`` through a ``.tmp`` file, so readers never see half a file."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
