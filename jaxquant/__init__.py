@@ -3,9 +3,14 @@
 `quantize` turns float arrays into `QTensor` records of integer or float8/4
 codes, bit for bit as ONNX QuantizeLinear; `dequantize` turns them back;
 `fake_quant` does both with straight-through gradients for training; and
-`quantize_tree` converts whole parameter pytrees by path rules.
+`quantize_tree` converts whole parameter pytrees by path rules; `qdot_general`
+runs dots on `QTensor` operands (int8 x int8 -> int32, weight-only int8/int4/fp8);
+`save_safetensors` / `load_safetensors` store such trees bit for bit.
 """
 
+from jaxquant import calibration
+from jaxquant._checkpoint import load_orbax, load_safetensors, save_orbax, save_safetensors
+from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import FORMATS, Format, get_format
 from jaxquant._packing import PackedArray, pack, pack_bits, unpack, unpack_bits
@@ -24,20 +29,30 @@ __version__ = "0.1.0"
 
 __all__ = [
     "FORMATS",
+    "ActQuant",
     "Format",
     "PackedArray",
+    "QDotGeneral",
     "QTensor",
     "QuantSpec",
+    "calibration",
     "dequantize",
     "dequantize_tree",
     "fake_quant",
     "get_format",
     "is_qtensor",
+    "load_orbax",
+    "load_safetensors",
     "match_rules",
     "pack",
     "pack_bits",
+    "promote_dtype",
+    "qdot_general",
+    "qeinsum",
     "quantize",
     "quantize_tree",
+    "save_orbax",
+    "save_safetensors",
     "tree_nbytes",
     "unpack",
     "unpack_bits",

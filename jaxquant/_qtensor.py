@@ -210,6 +210,19 @@ class QTensor:
 
         return dequantize(self, dtype)
 
+    def __getitem__(self, index) -> QTensor:
+        """``qt[...]`` is ``qt`` itself (how ``flax.nnx`` reads a parameter's value).
+
+        Raises:
+          TypeError: any other index; slice ``qt.dequantize()`` instead.
+        """
+        if index is Ellipsis:
+            return self
+        raise TypeError(
+            f"QTensor supports only qt[...]; got index {index!r}. Slice qt.dequantize() "
+            "or quantize the slice instead."
+        )
+
     def __repr__(self) -> str:
         zp = "" if self.zero_point is None else ", zero_point"
         gran = {"tensor": "per-tensor", "axis": f"axis={self.axis}",

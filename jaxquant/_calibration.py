@@ -1,0 +1,426 @@
+"""Calibration observers for static (activation) quantization.
+
+An `Observer` is three pure functions over an explicit pytree state, as an
+optax ``GradientTransformation``: ``init`` builds the state for arrays like a
+sample, ``update`` folds one batch into it, ``compute`` turns it into a scale
+and zero point. Nothing is kept between calls; every function works under
+``jax.jit`` (the state's shapes never change), and the state can be carried
+through ``lax.scan``, saved, or averaged across devices like any pytree.
+
+Every observer is per-tensor (``axis=None``) or per-axis (``axis``: the axis
+whose entries get their own range, negative allowed), as the computed mode of
+`jaxquant.quantize`, and ``compute`` returns scales in the layout ``quantize``
+takes back. Ranges become scales through `jaxquant._scales.scale_from_range`,
+so `minmax` gives exactly ``quantize``'s computed scale for the data seen.
+`minmax`, `moving_average_minmax` and `histogram` follow PyTorch's
+``MinMaxObserver``, ``MovingAverageMinMaxObserver`` and ``HistogramObserver``
+(and the per-channel ones), with the same float32 ranges; `percentile` and
+`mse` read clipping ranges off the running histogram of `histogram`.
+
+Intended differences from PyTorch's ``calculate_qparams``: symmetric scales
+map the absmax to ``qmax`` (``absmax / 127`` for int8, as ``quantize``), not
+to ``(qmax - qmin) / 2`` (``absmax / 127.5``); scales are clamped at the
+smallest normal float32, not at float32 ``eps``; an observer that saw
+nothing gives scale 1 (an all-zero group), and a NaN seen gives a NaN scale.
+
+Example:
+  >>> import jax.numpy as jnp, jaxquant as jq
+  >>> obs = minmax(axis=-1)  # one range per channel of the last axis
+  >>> batches = [jnp.array([[0.5, -2.0], [1.0, 4.0]]), jnp.array([[-1.0, 3.0]])]
+  >>> state = calibrate(obs, batches)
+  >>> scale, zp = obs.compute(state, dtype=jnp.int8)
+  >>> scale * 127
+  Array([1., 4.], dtype=float32)
+  >>> jq.quantize(jnp.array([[0.5, 2.0]]), scale, zp, axis=-1).qvalue
+  Array([[64, 64]], dtype=int8)
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.typing import ArrayLike
+
+from jaxquant import _histogram
+from jaxquant._formats import get_format
+from jaxquant._granularity import group_reduce, layout_from_args
+from jaxquant._histogram import HistogramState, no_fma
+from jaxquant._quantize import as_float_input
+from jaxquant._scales import scale_from_range
+
+__all__ = ["Observer", "RangeState", "HistogramState", "minmax", "moving_average_minmax",
+           "histogram", "percentile", "mse", "calibrate"]
+
+_F32 = jnp.float32
+
+
+class Observer(NamedTuple):
+    """A calibration observer: three pure functions over an explicit state.
+
+    Attributes:
+      init: ``init(x_like) -> state``; ``x_like`` is an array or a
+        ``jax.ShapeDtypeStruct`` shaped like the batches (per-axis observers
+        only use ``x_like.shape[axis]``).
+      update: ``update(state, x) -> state``, one batch folded in.
+      compute: ``compute(state, *, dtype=jnp.int8, symmetric=True) ->
+        (scale, zero_point)``: float32 scales of shape ``()`` (per-tensor) or
+        ``(x.shape[axis],)`` (per-axis), and ``None`` or zero points of
+        ``dtype``, ready for ``jaxquant.quantize(x, scale, zero_point,
+        dtype=dtype, axis=axis)``.
+    """
+
+    init: Callable[[Any], Any]
+    update: Callable[[Any, ArrayLike], Any]
+    compute: Callable[..., tuple[jax.Array, jax.Array | None]]
+
+
+class RangeState(NamedTuple):
+    """State of `minmax` and `moving_average_minmax` (a pytree).
+
+    Attributes:
+      min: float32 running minimum, ``()`` or ``(channels,)``; ``+inf`` at first.
+      max: float32 running maximum, same shape; ``-inf`` at first.
+      count: int32 number of batches seen.
+    """
+
+    min: jax.Array
+    max: jax.Array
+    count: jax.Array
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "symmetric"))
+def _qparams(lo, hi, dtype, symmetric):
+    empty = (lo == jnp.inf) & (hi == -jnp.inf)
+    scale, zero_point = scale_from_range(jnp.where(empty, _F32(0), lo),
+                                         jnp.where(empty, _F32(0), hi),
+                                         get_format(dtype), symmetric)
+    return jnp.where(jnp.isnan(lo) | jnp.isnan(hi), _F32(jnp.nan), scale), zero_point
+
+
+def _batch_range(x, layout):
+    x = x.astype(_F32)
+    return group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _minmax_update(state, x, layout):
+    lo, hi = _batch_range(x, layout)
+    return RangeState(jnp.minimum(state.min, lo), jnp.maximum(state.max, hi), state.count + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("layout", "constant"))
+def _moving_average_update(state, x, layout, constant):
+    lo, hi = _batch_range(x, layout)
+    c, first = _F32(constant), state.count == 0
+    # PyTorch: min + c * (batch_min - min), the product rounded before the sum.
+    new_lo = jnp.where(first, lo, state.min + no_fma(c * (lo - state.min)))
+    new_hi = jnp.where(first, hi, state.max + no_fma(c * (hi - state.max)))
+    return RangeState(new_lo, new_hi, state.count + 1)
+
+
+@functools.partial(jax.jit, static_argnames=("layout",))
+def _histogram_update(state, x, layout):
+    x = x.astype(_F32)
+    rows = x.reshape(1, -1) if layout.axis is None else jnp.moveaxis(x, layout.axis, 0)
+    new = _histogram.update(_histogram.as_rows(state), rows.reshape(rows.shape[0], -1))
+    return jax.tree.map(lambda a, b: a.reshape(b.shape), new, state)
+
+
+def _observer(axis: int | None, make_state, update_kernel, clip_range) -> Observer:
+    """An `Observer` from a state maker, a jitted update and a range chooser."""
+    def init(x_like):
+        shape = getattr(x_like, "shape", None)
+        shape = tuple(np.shape(x_like) if shape is None else shape)
+        return make_state(layout_from_args(shape, axis, None).scale_shape(shape))
+
+    def update(state, x):
+        x = as_float_input(x)
+        layout = layout_from_args(x.shape, axis, None)
+        got, expected = layout.scale_shape(x.shape), jnp.shape(state.min)
+        if got != expected:
+            raise ValueError(
+                f"x of shape {x.shape} needs ranges of shape {got} for axis={axis}, but the "
+                f"state holds ranges of shape {expected}; init it with a batch-shaped array.")
+        return state if x.size == 0 else update_kernel(state, x, layout)
+
+    def compute(state, *, dtype=jnp.int8, symmetric=True):
+        fmt = get_format(dtype)
+        if not symmetric and not fmt.is_integer:
+            raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "
+                             f"zero point.")
+        lo, hi = clip_range(state, fmt, bool(symmetric))
+        return _qparams(lo, hi, fmt.dtype, bool(symmetric))
+
+    return Observer(init, update, compute)
+
+
+def _range_state(groups):
+    return RangeState(jnp.full(groups, jnp.inf, _F32), jnp.full(groups, -jnp.inf, _F32),
+                      jnp.zeros((), jnp.int32))
+
+
+def _state_range(state, fmt, symmetric):
+    return state.min, state.max
+
+
+def minmax(*, axis: int | None = None) -> Observer:
+    """Running minimum and maximum, as PyTorch's ``MinMaxObserver``.
+
+    The state is a `RangeState`; ``compute`` gives the scale of
+    ``jaxquant.quantize(x, dtype=..., axis=axis, symmetric=...)`` for the
+    concatenation of all batches seen. Infinities are kept (as PyTorch does).
+
+    Args:
+      axis: ``None`` (per-tensor) or the axis whose entries get their own
+        range (``PerChannelMinMaxObserver(ch_axis=axis)``); may be negative.
+
+    Returns:
+      An `Observer`.
+
+    Raises:
+      ValueError: (from ``init``/``update``) ``axis`` out of range, or a batch
+        whose length along ``axis`` differs from the state's.
+      TypeError: (from ``update``) a non-float batch.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> obs = minmax()
+      >>> state = obs.init(jnp.zeros(3))
+      >>> state = obs.update(state, jnp.array([-1.0, 0.5, 2.0]))
+      >>> state = obs.update(state, jnp.array([0.0, 3.0, -0.5]))
+      >>> float(state.min), float(state.max), int(state.count)
+      (-1.0, 3.0, 2)
+      >>> scale, zp = obs.compute(state, dtype=jnp.uint8, symmetric=False)
+      >>> float(scale), int(zp)
+      (0.01568627543747425, 64)
+    """
+    return _observer(axis, _range_state, _minmax_update, _state_range)
+
+
+def moving_average_minmax(averaging_constant: float = 0.01, *,
+                          axis: int | None = None) -> Observer:
+    """Exponential moving average of each batch's min and max.
+
+    PyTorch's ``MovingAverageMinMaxObserver`` (per-axis:
+    ``MovingAveragePerChannelMinMaxObserver``): the first batch sets the
+    range, each later one moves it by ``min += c * (batch_min - min)`` (and
+    likewise the max), in float32 with the product rounded first, as PyTorch.
+
+    Args:
+      averaging_constant: ``c`` in ``(0, 1]``.
+      axis: ``None`` (per-tensor) or the per-axis axis, may be negative.
+
+    Returns:
+      An `Observer` whose state is a `RangeState`.
+
+    Raises:
+      ValueError: ``averaging_constant`` outside ``(0, 1]``; from
+        ``init``/``update`` as `minmax`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> obs = moving_average_minmax(0.5)
+      >>> state = calibrate(obs, [jnp.array([-1.0, 1.0]), jnp.array([-3.0, 5.0])])
+      >>> float(state.min), float(state.max)
+      (-2.0, 3.0)
+    """
+    c = float(averaging_constant)
+    if not 0.0 < c <= 1.0:
+        raise ValueError(f"averaging_constant must be in (0, 1], got {averaging_constant!r}.")
+    update = functools.partial(_moving_average_update, constant=c)
+    return _observer(axis, _range_state, update, _state_range)
+
+
+def _check_count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"{name} must be a positive int, got {value!r}.")
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive int, got {value}.")
+    return int(value)
+
+
+def _histogram_observer(clip_range, bins: int, axis: int | None) -> Observer:
+    bins = _check_count(bins, "bins")
+
+    def make_state(groups):
+        return HistogramState(jnp.zeros((*groups, bins), _F32),
+                              jnp.full(groups, jnp.inf, _F32), jnp.full(groups, -jnp.inf, _F32))
+
+    def rows_range(state, fmt, symmetric):  # clip_range runs on (G, bins) rows
+        lo, hi = clip_range(_histogram.as_rows(state), fmt, symmetric)
+        return lo.reshape(state.min.shape), hi.reshape(state.max.shape)
+
+    return _observer(axis, make_state, _histogram_update, rows_range)
+
+
+def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
+    """PyTorch's ``HistogramObserver``: a growing histogram and an L2 range search.
+
+    ``update`` histograms each batch (``torch.histc``) over the running
+    ``[min, max]``; when a batch widens the range, the old counts are moved
+    into the new bins (each bin cut into 16 sub-bins, each sub-bin going to
+    the new bin that holds its midpoint). ``compute`` runs
+    ``_non_linear_param_search``: starting from the full range it greedily
+    drops the tail with less mass (quantile steps of 1e-5) while the
+    estimated L2 quantization error with ``2 ** bits`` levels of ``dtype``
+    decreases, then maps the chosen ``[min, max]`` to a scale. Infinities are
+    skipped; the search and histogram equal PyTorch's (see
+    `jaxquant._histogram`), and per-axis observers run one search per entry.
+
+    Args:
+      bins: histogram bins (PyTorch's default 2048).
+      axis: ``None`` (per-tensor, as PyTorch) or the per-axis axis.
+
+    Returns:
+      An `Observer` whose state is a `HistogramState`. ``compute`` needs an
+      integer ``dtype`` (the search assumes evenly spaced levels).
+
+    Raises:
+      TypeError: ``bins`` not an int.
+      ValueError: ``bins <= 0``; from ``compute``, a float format; from
+        ``init``/``update`` as `minmax`.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> obs = histogram(bins=8)
+      >>> state = calibrate(obs, [jnp.array([0.0, 1.0, 1.0, 2.0]), jnp.array([4.0])])
+      >>> state.hist  # [0, 2] in 8 bins, then moved into 8 bins over [0, 4]
+      Array([1., 0., 2., 1., 0., 0., 0., 1.], dtype=float32)
+      >>> scale, zp = obs.compute(state, dtype=jnp.uint8, symmetric=False)
+      >>> float(scale * 255), int(zp)  # the search drops the top bin, as PyTorch's does
+      (3.5, 0)
+    """
+    def search(state, fmt, symmetric):
+        if not fmt.is_integer:
+            raise ValueError(f"the histogram search models evenly spaced integer levels; use "
+                             f"minmax, percentile or mse for {fmt.name}.")
+        return _histogram.search_range(state, dst_bins=2 ** fmt.bits)
+
+    return _histogram_observer(search, bins, axis)
+
+
+def percentile(q: float = 99.99, *, bins: int = 2048, axis: int | None = None) -> Observer:
+    """Clip to the ``100 - q`` and ``q`` percentiles of the data seen.
+
+    The data are summarized by the running histogram of `histogram` (exact
+    min/max, ``bins`` bins). ``compute`` reads both percentiles off it with
+    numpy's default (linear) definition: position ``(n - 1) * q / 100`` among
+    the ``n`` sorted finite values, interpolated between neighbours, each
+    value placed inside its bin (the ``c`` values of a bin spread evenly, the
+    extremes at the exact min and max). The result is within about one bin
+    width, ``(max - min) / bins``, of ``numpy.percentile`` of all batches.
+    Symmetric scales use ``max(|p_low|, |p_high|)``.
+
+    Args:
+      q: the upper percentile, in ``[50, 100]``; ``100`` is `minmax`.
+      bins: histogram bins.
+      axis: ``None`` (per-tensor) or the per-axis axis.
+
+    Returns:
+      An `Observer` whose state is a `HistogramState`.
+
+    Raises:
+      TypeError: ``bins`` not an int.
+      ValueError: ``q`` outside ``[50, 100]`` or ``bins <= 0``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> obs = percentile(90.0, bins=100)
+      >>> state = calibrate(obs, [jnp.arange(101.0)])
+      >>> scale, zp = obs.compute(state, dtype=jnp.uint8, symmetric=False)
+      >>> float(scale * 255), int(zp)  # p90 = 90 to within a bin (p10 = 10.5 clamps to 0)
+      (90.5, 0)
+    """
+    q = float(q)
+    if not 50.0 <= q <= 100.0:
+        raise ValueError(f"q must be in [50, 100] (the upper percentile), got {q!r}.")
+
+    def read(state, fmt, symmetric):
+        return _histogram.percentile_range(state, _F32(q))
+
+    return _histogram_observer(read, bins, axis)
+
+
+def mse(num_candidates: int = 100, *, bins: int = 2048, axis: int | None = None) -> Observer:
+    """The clip ratio minimizing the quantize-dequantize squared error.
+
+    The data are summarized by the running histogram of `histogram`.
+    ``compute`` tries the ranges ``[r * min, r * max]`` for the ratios
+    ``r = k / num_candidates``, ``k = 1 .. num_candidates`` (symmetric
+    formats: ``r * absmax``), quantizes each bin center with
+    `jaxquant.fake_quant` at the scale that range gives for ``dtype``, and
+    keeps the ratio with the least ``sum(count * (fq(center) - center)**2)``
+    (the smallest ratio on a tie). ``r = 1`` is `minmax`, so the estimate is
+    never worse than it; the error of a value is estimated at its bin center.
+
+    Args:
+      num_candidates: the number of clip ratios tried.
+      bins: histogram bins.
+      axis: ``None`` (per-tensor) or the per-axis axis.
+
+    Returns:
+      An `Observer` whose state is a `HistogramState`.
+
+    Raises:
+      TypeError: ``num_candidates`` or ``bins`` not an int.
+      ValueError: ``num_candidates`` or ``bins`` not positive.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> x = jnp.concatenate([jnp.linspace(-1.0, 1.0, 10001), jnp.array([20.0])])
+      >>> obs = mse(num_candidates=100)
+      >>> scale, _ = obs.compute(calibrate(obs, [x]), dtype=jnp.int4)
+      >>> round(float(scale * 7), 3)  # clipped at 0.05 * 20: the outlier costs less
+      1.0
+    """
+    num_candidates = _check_count(num_candidates, "num_candidates")
+
+    def search(state, fmt, symmetric):
+        return _histogram.mse_range(state, fmt.dtype, symmetric, num_candidates)
+
+    return _histogram_observer(search, bins, axis)
+
+
+def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = None,
+              progress: bool = False) -> Any:
+    """Folds ``observer.update`` over ``batches`` and returns the final state.
+
+    Args:
+      observer: an `Observer`.
+      batches: an iterable of arrays (a list, a generator, a data loader).
+      state: a state to continue from; default ``observer.init(first_batch)``.
+      progress: show a ``tqdm`` progress bar when tqdm is installed (it is
+        optional; without it nothing is shown).
+
+    Returns:
+      The state after the last batch; pass it to ``observer.compute``.
+
+    Raises:
+      ValueError: no batches and no ``state``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> obs = minmax()
+      >>> state = calibrate(obs, (jnp.full(4, float(i)) for i in range(3)))
+      >>> float(state.max), int(state.count)
+      (2.0, 3)
+    """
+    if progress:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            batches = tqdm(batches, desc="calibrating", unit="batch")
+    for x in batches:
+        if state is None:
+            state = observer.init(x)
+        state = observer.update(state, x)
+    if state is None:
+        raise ValueError("calibrate got no batches and no initial state.")
+    return state

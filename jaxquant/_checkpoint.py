@@ -1,0 +1,268 @@
+"""Checkpoints of trees with `QTensor` leaves: safetensors files and orbax checkpoints.
+
+Both write the layout of `_serialization`: every leaf under its ``/``-joined
+tree path, a `QTensor` as ``<path>/qvalue``, ``<path>/scale`` and
+``<path>/zero_point``, 2- and 4-bit codes packed in uint8, and a JSON header
+(QTensor metadata, a CRC-32 per tensor) that makes the checkpoint
+self-describing. In a safetensors file the header is ``__metadata__["jaxquant"]``.
+An orbax checkpoint holds the same tensors as a list of arrays saved with orbax's
+`StandardCheckpointer` (which also covers the uint4/uint2 that its TensorStore
+cannot store) and the header as its ``custom_metadata``; stored arrays keep their
+sharding through the save, and on load those whose target leaf has a sharding
+are restored straight onto it, the rest onto one device and then placed. Orbax
+refuses empty arrays: those are not stored (the header says what they were).
+safetensors and orbax are optional dependencies (``pip install 'jaxquant[io]'``,
+``'jaxquant[orbax]'``), imported only when used.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxquant._packing import PackedArray
+from jaxquant._serialization import (
+    HEADER_KEY,
+    ST_CODES,
+    build,
+    encode,
+    header_metadata,
+    placements,
+    plain_header,
+    plan,
+    read_header,
+    sharding_of,
+    storage,
+    verify,
+)
+
+__all__ = ["save_safetensors", "load_safetensors", "save_orbax", "load_orbax"]
+
+
+# --- safetensors ----------------------------------------------------------------------
+
+
+def _safetensors():
+    """Imports safetensors, or says how to install it."""
+    try:
+        import safetensors
+        import safetensors.numpy
+    except ImportError as e:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "safetensors checkpoints need the 'safetensors' package: "
+            "pip install 'jaxquant[io]'"
+        ) from e
+    return safetensors
+
+
+def save_safetensors(path: str | os.PathLike, tree: Any, *,
+                     metadata: dict[str, str] | None = None) -> None:
+    """Saves a tree of arrays and `QTensor` leaves to a safetensors file.
+
+    Every leaf is stored under its ``/``-joined tree path; a `QTensor` as
+    ``<path>/qvalue``, ``<path>/scale`` and ``<path>/zero_point``; 2- and 4-bit
+    codes packed two (or four) per byte. The header that describes the tree,
+    with a CRC-32 of every tensor, is the JSON string ``__metadata__["jaxquant"]``
+    (see the README's "Checkpoint format"). The file is written to a temporary
+    name and then renamed, so ``path`` never holds half a checkpoint.
+
+    Args:
+      path: the file to write.
+      tree: a pytree of arrays (jax or NumPy), `QTensor` and `PackedArray` leaves.
+      metadata: extra ``str -> str`` entries for ``__metadata__`` (keys must not
+        start with ``"jaxquant"``).
+
+    Raises:
+      TypeError: a leaf that is not an array, or bad ``metadata``.
+      ValueError: two leaves whose paths (or tensor names) coincide; a reserved
+        metadata key.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, jaxquant as jq
+      >>> tree = {"dense": {"kernel": jq.quantize(jnp.ones((4, 8)), dtype=jnp.int4),
+      ...                   "bias": jnp.zeros(8, jnp.bfloat16)}}
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     save_safetensors(f"{d}/model.safetensors", tree, metadata={"model": "demo"})
+      ...     back = load_safetensors(f"{d}/model.safetensors")
+      >>> back["dense"]["kernel"], back["dense"]["bias"].dtype
+      (QTensor(int4[4, 8], per-tensor, scale[], dtype=float32), dtype(bfloat16))
+    """
+    safetensors = _safetensors()
+    header, tensors = encode(tree, to_host=True)
+    meta = header_metadata(header, metadata)
+    path = os.fspath(path)
+    tmp = f"{path}.tmp{os.getpid()}"
+    try:
+        safetensors.numpy.save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def load_safetensors(path: str | os.PathLike, target: Any = None, *,
+                     allow_plain: bool = False) -> Any:
+    """Loads a tree saved by `save_safetensors`, bit for bit.
+
+    Args:
+      path: the file to read.
+      target: ``None``: the tree is rebuilt as nested dicts from the paths, with
+        `QTensor` codes packed or not as they were saved. Otherwise a tree whose
+        leaf paths must be exactly the file's: arrays, `jax.ShapeDtypeStruct`
+        (their ``sharding`` is used), `QTensor` or `PackedArray` leaves (concrete
+        or abstract, as ``jax.eval_shape(lambda: jq.quantize_tree(...))`` makes);
+        dtypes, shapes and QTensor metadata are checked against it, loaded
+        arrays are placed with `jax.device_put` on its shardings, and its
+        QTensors say whether codes come back packed.
+      allow_plain: also load a safetensors file that jaxquant did not write (no
+        ``jaxquant`` metadata at all): every tensor becomes an array leaf, with
+        no checksums to verify.
+
+    Returns:
+      The tree: jax arrays (NumPy for 64-bit dtypes while ``jax_enable_x64`` is
+      off and no target places them), `QTensor` and `PackedArray` leaves.
+
+    Raises:
+      ValueError: a truncated or corrupted file (bad header, tensor, or CRC-32),
+        an unknown format version, a key of the target missing from the file,
+        an extra key in the file, a shape or QTensor metadata mismatch.
+      TypeError: a dtype or leaf kind mismatch against ``target``.
+
+    Example:
+      >>> import tempfile, jax, jax.numpy as jnp, jaxquant as jq
+      >>> tree = {"w": jnp.arange(6.0).reshape(2, 3)}
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     save_safetensors(f"{d}/w.safetensors", tree)
+      ...     load_safetensors(f"{d}/w.safetensors",  # doctest: +ELLIPSIS
+      ...                      {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32)})
+      Traceback (most recent call last):
+      ...
+      ValueError: ...: 'w': shape mismatch: the target expects (3, 2), the file holds (2, 3).
+    """
+    safetensors = _safetensors()
+    where = os.fspath(path)
+    try:
+        with safetensors.safe_open(where, framework="np") as f:
+            meta = f.metadata() or {}
+        with open(where, "rb") as f:
+            stored = dict(safetensors.deserialize(f.read()))
+    except safetensors.SafetensorError as e:
+        raise ValueError(f"{where}: not a valid safetensors file (truncated or corrupted): "
+                         f"{e}") from e
+    if allow_plain and not any(k.startswith(HEADER_KEY) for k in meta):
+        header = plain_header(where, {k: (v["dtype"], v["shape"]) for k, v in stored.items()})
+    else:
+        header = read_header(meta, where)
+    for key in stored:
+        if key not in header["tensors"]:
+            raise ValueError(f"{where}: tensor {key!r} in the file is not in its jaxquant header: "
+                             f"corrupted or edited file.")
+    for key in header["tensors"]:
+        if key not in stored:
+            raise ValueError(f"{where}: tensor {key!r} of the header is missing from the file: "
+                             f"corrupted or edited file.")
+    items, treedef = plan(header, target, where)
+    codes = {c: name for name, c in ST_CODES.items()}
+
+    def get(key):
+        v, spec = stored[key], header["tensors"][key]
+        verify(where, key, spec, codes.get(v["dtype"], v["dtype"]), v["shape"], v["data"])
+        return np.frombuffer(v["data"], storage(spec)[0]).reshape(storage(spec)[1])
+
+    return build(where, header, items, treedef, get)
+
+
+# --- orbax ----------------------------------------------------------------------------
+
+
+def save_orbax(directory: str | os.PathLike, tree: Any, *,
+               metadata: dict[str, str] | None = None) -> None:
+    """Saves a tree of arrays and `QTensor` leaves as an orbax checkpoint.
+
+    Args:
+      directory: the checkpoint directory (must not exist yet).
+      tree: a pytree of arrays (sharded or not), `QTensor` and `PackedArray` leaves.
+      metadata: extra ``str -> str`` entries for the checkpoint's custom metadata
+        (keys must not start with ``"jaxquant"``).
+
+    Raises:
+      TypeError: a leaf that is not an array, or bad ``metadata``.
+      ValueError: two leaves whose paths coincide; a reserved metadata key.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp, jaxquant as jq
+      >>> tree = {"w": jq.quantize(jnp.ones((2, 4)), dtype=jnp.uint4, symmetric=False)}
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     save_orbax(f"{d}/ckpt", tree)
+      ...     load_orbax(f"{d}/ckpt")["w"]
+      QTensor(uint4[2, 4], per-tensor, scale[], zero_point, dtype=float32)
+    """
+    import orbax.checkpoint as ocp
+
+    header, tensors = encode(tree, to_host=False)
+    meta = header_metadata(header, metadata)
+    # Orbax refuses empty arrays and empty trees: a tree without data stores one placeholder
+    # byte, which load_orbax (with nothing to restore) never reads.
+    stored = [x for x in tensors.values() if x.size] or [np.zeros(1, np.uint8)]
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(directory), stored, custom_metadata=meta)
+        ckptr.wait_until_finished()
+
+
+def load_orbax(directory: str | os.PathLike, target: Any = None) -> Any:
+    """Loads a tree saved by `save_orbax`, bit for bit.
+
+    Args:
+      directory: the checkpoint directory.
+      target: as for `load_safetensors`: ``None`` (nested dicts from the paths)
+        or a tree of arrays, `jax.ShapeDtypeStruct` (with shardings), `QTensor`
+        or `PackedArray` leaves that the checkpoint must match.
+
+    Returns:
+      The tree, its leaves placed on ``target``'s shardings.
+
+    Raises:
+      ValueError: no jaxquant header, a corrupted header or tensor (CRC-32), an
+        unknown format version, a missing or extra key, a shape or metadata
+        mismatch.
+      TypeError: a dtype or leaf kind mismatch against ``target``.
+
+    Example:
+      >>> import tempfile, jax.numpy as jnp
+      >>> with tempfile.TemporaryDirectory() as d:
+      ...     save_orbax(f"{d}/ckpt", {"step": jnp.array(7)})
+      ...     load_orbax(f"{d}/ckpt")
+      {'step': Array(7, dtype=int32)}
+    """
+    import orbax.checkpoint as ocp
+
+    where = os.path.abspath(directory)
+    with ocp.StandardCheckpointer() as ckptr:
+        meta = ckptr.metadata(where).custom_metadata
+        header = read_header(meta, where)
+        items, treedef = plan(header, target, where)
+        specs = header["tensors"]
+        hints = {}
+        for path, entry, t in items:
+            for key, child in placements(path, entry, t).items():
+                stored_as_is = specs[key]["encoding"] == "raw" or isinstance(child, PackedArray)
+                if stored_as_is and sharding_of(child) is not None:
+                    hints[key] = sharding_of(child)
+        device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+        abstract = {key: jax.ShapeDtypeStruct(storage(spec)[1], storage(spec)[0],
+                                              sharding=hints.get(key, device))
+                    for key, spec in specs.items() if math.prod(storage(spec)[1])}
+        values = ckptr.restore(where, list(abstract.values())) if abstract else []
+        restored = dict(zip(abstract, values, strict=True))
+
+    def get(key):
+        dtype, shape = storage(specs[key])
+        x = restored[key] if key in restored else np.zeros(shape, dtype)
+        verify(where, key, specs[key], x.dtype.name, x.shape, x)
+        return x
+
+    return build(where, header, items, treedef, get)

@@ -1,0 +1,401 @@
+"""Running histograms per group, and the ranges chosen from them.
+
+This module is the numerical core of the histogram-based observers in
+`jaxquant._calibration`. It replicates PyTorch's
+``torch.ao.quantization.HistogramObserver``, vectorized over groups (one
+histogram per entry of the observed axis, or one for the whole tensor):
+
+* `update`: ``torch.histc`` of each batch over the running range; when the
+  range grows, the old histogram is cut into 16 sub-bins per bin and each
+  sub-bin lands in the new bin that holds its midpoint
+  (``_combine_histograms`` / ``_upscale_histogram``).
+* `search_range`: ``_non_linear_param_search``, the greedy L2-error search
+  for a clipped ``[min, max]`` (from caffe2's ``NormMinimization``).
+* `percentile_range`: percentiles read off the same histogram.
+* `mse_range`: the clip ratio with the least squared error on the bin centers.
+
+PyTorch mixes float32 tensor arithmetic with Python (float64) scalars,
+float64 accumulation (``torch.cumsum``) and FMA-compiled kernels
+(``torch.linspace``). The few scalars that decide a bin are computed here
+without double rounding, from float32 pieces that multiply exactly (no
+float64 needed, so it runs with x64 off and on any backend), and `no_fma`
+keeps XLA from fusing a product into a following addition where PyTorch
+rounds the product first. With that, histograms and searched ranges equal
+PyTorch's bit for bit in randomized comparisons (hundreds of cases, 256 to
+2048 bins); only a float32 sum taken in another order could still break an
+exact tie between two errors differently. The search skips PyTorch's steps
+that move neither end (up to 1e5 of them) in one bisection.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from jaxquant._fake_quant import fake_quant
+from jaxquant._formats import get_format
+from jaxquant._rounding import divide
+from jaxquant._scales import scale_from_range
+
+__all__ = ["HistogramState", "as_rows", "no_fma", "update", "search_range", "percentile_range",
+           "mse_range"]
+
+_F32 = jnp.float32
+_UPSAMPLE = 16  # HistogramObserver.upsample_rate
+_STEPS = 100000  # 1 / HistogramObserver's search step (1e-5)
+
+
+class HistogramState(NamedTuple):
+    """A running histogram per group (a pytree of float32 arrays).
+
+    Attributes:
+      hist: counts, ``(bins,)`` per-tensor or ``(channels, bins)`` per-axis;
+        equal-width bins over ``[min, max]``.
+      min: the smallest finite value seen per group (``+inf`` before any).
+      max: the largest finite value seen per group (``-inf`` before any).
+    """
+
+    hist: jax.Array
+    min: jax.Array
+    max: jax.Array
+
+
+def no_fma(p: jax.Array) -> jax.Array:
+    """``p`` (NaN included), in a form XLA cannot contract with a following add into an FMA.
+
+    XLA:CPU turns ``a * b + c`` into one fused multiply-add (one rounding);
+    PyTorch's separate tensor ops round the product first. The select hides
+    the product from that rewrite at no cost.
+    """
+    return jnp.where(p == p, p, _F32(jnp.nan))
+
+
+def _split(a: jax.Array, mask: int) -> tuple[jax.Array, jax.Array]:
+    """``a == hi + lo`` exactly, ``hi`` keeping the bits under ``mask``."""
+    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(mask), _F32)
+    return hi, a - hi
+
+
+def _pieces8(a: jax.Array) -> tuple[jax.Array, ...]:
+    """Three floats of at most 8 significant bits summing exactly to ``a``."""
+    a1, r = _split(a, 0xFFFF0000)
+    a2, a3 = _split(r, 0xFFFF0000)
+    return a1, a2, a3
+
+
+def _exact_sum(*terms: jax.Array) -> jax.Array:
+    """``sum(terms)`` rounded once (cascaded TwoSum; exact for the few-bit terms used here)."""
+    s, err = terms[0], _F32(0)
+    for t in terms[1:]:
+        new = s + t
+        bb = new - s
+        err = err + ((s - (new - bb)) + (t - bb))
+        s = new
+    return s + err
+
+
+def _cumsum(x: jax.Array) -> jax.Array:
+    """``cumsum`` of a 1-D ``x``, each prefix rounded once to float32, as ``torch.cumsum``
+    (which accumulates in float64): a sequential scan carrying ``hi + lo`` exactly."""
+    def add(carry, v):
+        hi, lo = carry
+        s = hi + v
+        bb = s - hi
+        lo = lo + ((hi - (s - bb)) + (v - bb))
+        out = s + lo
+        return (out, lo - (out - s)), out
+
+    return lax.scan(add, (_F32(0), _F32(0)), x)[1]
+
+
+def _fma_int(a: jax.Array, n: jax.Array, c: jax.Array) -> jax.Array:
+    """``round(a * n + c)`` with one rounding, for integer-valued ``0 <= n < 2**16``."""
+    return _exact_sum(c, *(p * n for p in _pieces8(a)))
+
+
+def _linspace(start: jax.Array, end: jax.Array, steps: int) -> jax.Array:
+    """``torch.linspace`` per group, ``(G,) -> (G, steps)``, rounded as its FMA kernel."""
+    start, end = start[:, None], end[:, None]
+    step = divide(end - start, _F32(steps - 1))
+    idx = jnp.arange(steps, dtype=_F32)[None]
+    low = _fma_int(step, idx, start)
+    high = _fma_int(-step, _F32(steps - 1) - idx, end)
+    return jnp.where(idx < steps // 2, low, high)
+
+
+def _bin_index(x: jax.Array, lo: jax.Array, hi: jax.Array, bins: int) -> jax.Array:
+    """The ``torch.histc`` bin of ``x`` over ``[lo, hi]`` (widened by 1 each way if empty)."""
+    empty = lo == hi
+    lo, hi = jnp.where(empty, lo - 1, lo), jnp.where(empty, hi + 1, hi)
+    pos = jnp.floor(divide((x - lo) * _F32(bins), hi - lo))
+    return jnp.clip(pos, 0, bins - 1).astype(jnp.int32)
+
+
+def _bincount(idx: jax.Array, weights: jax.Array, bins: int) -> jax.Array:
+    """Per-row weighted bincount: ``(G, M)`` indices in ``[0, bins)`` -> ``(G, bins)``."""
+    g = idx.shape[0]
+    flat = (idx + bins * jnp.arange(g, dtype=jnp.int32)[:, None]).ravel()
+    return jax.ops.segment_sum(weights.ravel(), flat, num_segments=g * bins).reshape(g, bins)
+
+
+def _upscale(hist, old_min, old_max, new_min, new_max):
+    """``HistogramObserver._upscale_histogram`` per group."""
+    bins = hist.shape[1]
+    n = bins * _UPSAMPLE
+    sub = jnp.repeat(hist, _UPSAMPLE, axis=1) / _F32(_UPSAMPLE)
+    size = divide(old_max - old_min, _F32(n))
+    mids = _linspace(old_min, old_max, n + 1)[:, :-1] + _F32(0.5) * size[:, None]
+    edges = _linspace(new_min, new_max, bins + 1)
+    # torch.bucketize(mids, edges, right=True) - 1: a guess from the width, then
+    # one step either way against the (exactly rounded) edges.
+    new_width = divide(new_max - new_min, _F32(bins))[:, None]
+    idx = jnp.clip(jnp.floor(divide(mids - new_min[:, None], new_width)), 0, bins - 1)
+    idx = idx.astype(jnp.int32)
+    idx = (idx - (jnp.take_along_axis(edges, idx, axis=1) > mids).astype(jnp.int32)
+           + (jnp.take_along_axis(edges, idx + 1, axis=1) <= mids).astype(jnp.int32))
+    return _bincount(jnp.clip(idx, 0, bins - 1), sub, bins)
+
+
+@jax.jit
+def update(state: HistogramState, x: jax.Array) -> HistogramState:
+    """Adds a batch to the histograms, as ``HistogramObserver.forward`` does.
+
+    Args:
+      state: histograms ``(G, bins)`` with ``min``/``max`` of shape ``(G,)``.
+      x: ``(G, M)`` float32, one row per group.
+
+    Returns:
+      The new state. Infinities are skipped (as PyTorch does); a NaN makes
+      its group's ``min``/``max`` NaN, so that its scale comes out NaN.
+    """
+    bins = state.hist.shape[1]
+    finite = jnp.isfinite(x)
+    x_min = jnp.min(jnp.where(finite, x, jnp.inf), axis=1)
+    x_max = jnp.max(jnp.where(finite, x, -jnp.inf), axis=1)
+    seen = jnp.any(finite, axis=1)
+    new_min, new_max = jnp.minimum(state.min, x_min), jnp.maximum(state.max, x_max)
+    fresh = (state.min == jnp.inf) | (state.max == -jnp.inf)
+    same = (new_min == state.min) & (new_max == state.max)
+    point = state.min == state.max
+    grow = seen & ~fresh & ~same & ~point
+    batch = _bincount(_bin_index(x, new_min[:, None], new_max[:, None], bins),
+                      finite.astype(_F32), bins)
+    upscaled = lax.cond(
+        jnp.any(grow),
+        lambda: _upscale(state.hist, state.min, state.max, new_min, new_max),
+        lambda: jnp.zeros_like(state.hist),
+    )
+    one = _bin_index(state.min, new_min, new_max, bins)[:, None] == jnp.arange(bins)[None]
+    single = jnp.where(one, jnp.sum(state.hist, axis=1, keepdims=True), _F32(0))
+    moved = jnp.where(point[:, None], single, upscaled)
+    old = jnp.where(fresh[:, None], _F32(0), jnp.where(same[:, None], state.hist, moved))
+    hist = jnp.where(seen[:, None], old + batch, state.hist)
+    nan = jnp.any(jnp.isnan(x), axis=1)
+    lo = jnp.where(nan, jnp.nan, jnp.where(seen, new_min, state.min))
+    hi = jnp.where(nan, jnp.nan, jnp.where(seen, new_max, state.max))
+    return HistogramState(hist, lo, hi)
+
+
+def _fraction(total: jax.Array, k: jax.Array) -> jax.Array:
+    """``float32(total * k / 100000)`` rounded once, for integer ``0 <= k < 2**17``.
+
+    PyTorch compares float32 cumulative counts with ``alpha * total`` where
+    ``alpha`` is a float64 multiple of 1e-5; the product must be rounded once.
+    """
+    k_hi, k_lo = (k >> 9).astype(_F32) * _F32(512), (k & 511).astype(_F32)
+    t_hi, t_lo = _split(total, 0xFFFFF000)
+    terms = (t_hi * k_hi, t_hi * k_lo, t_lo * k_hi, t_lo * k_lo)  # all exact
+    q = divide(_exact_sum(*terms), _F32(_STEPS))
+    q_hi, q_lo = _split(q, 0xFFFFF000)
+    rest = _exact_sum(*terms, -(q_hi * _F32(3125)) * _F32(32), -(q_lo * _F32(3125)) * _F32(32))
+    return q + divide(rest, _F32(_STEPS))
+
+
+def _norm(begin, end, density):
+    """``HistogramObserver._get_norm``: density * (end**3 - begin**3) / 3."""
+    return density * divide(no_fma(end * end * end) - no_fma(begin * begin * begin), _F32(3))
+
+
+def _error(hist, width, span, span_err, start, end, dst):
+    """``HistogramObserver._compute_quantization_error`` for bins ``[start, end]``."""
+    bins = hist.shape[0]
+    n = (end - start + 1).astype(_F32)
+    # float32(span * n / (bins * dst)), span = max - min exactly (span + span_err).
+    dst_width = divide(_exact_sum(*(p * n for p in (*_pieces8(span), *_pieces8(span_err)))),
+                       _F32(bins * dst))
+    half = dst_width / 2
+    begin = no_fma((jnp.arange(bins, dtype=jnp.int32) - start).astype(_F32) * width)
+    stop = begin + width
+    d_begin = jnp.clip(jnp.floor_divide(begin, dst_width), 0, dst - 1)
+    d_end = jnp.clip(jnp.floor_divide(stop, dst_width), 0, dst - 1)
+    density = divide(hist, width)
+    norm = _norm(begin - no_fma((d_begin + _F32(0.5)) * dst_width), half, density)
+    norm = norm + no_fma((d_end - d_begin - 1) * _norm(-half, half, density))
+    norm = norm + no_fma(_norm(-half, stop - (no_fma(d_end * dst_width) + half), density))
+    return jnp.where(dst_width == 0, _F32(0), jnp.sum(norm))
+
+
+def _search_one(hist, lo, hi, dst):
+    """``HistogramObserver._non_linear_param_search`` for one group."""
+    bins = hist.shape[0]
+    csum = _cumsum(hist)
+    total = csum[-1]
+    span = hi - lo
+    span_err = (hi - (span - (span - hi))) + (-lo - (span - hi))  # TwoSum: hi - lo exactly
+    width = divide(span, _F32(bins))
+
+    def first_beta_move(ka, kb, start, end):
+        # While l == start and r == end PyTorch only steps beta; jump to the
+        # first step whose threshold drops below csum[end] (or past the loop).
+        def moves(j):
+            return (start < end) & (csum[end] > _fraction(total, _STEPS - j - 1))
+
+        def bisect(_, bounds):  # smallest j in [a, b) with moves(j), else b
+            a, b = bounds
+            m = (a + b) // 2
+            hit = moves(m)
+            return jnp.where((a < b) & ~hit, m + 1, a), jnp.where((a < b) & hit, m, b)
+
+        last = _STEPS - ka + 1
+        return lax.fori_loop(0, 18, bisect, (kb + 1, last))[0]
+
+    def cond(c):
+        ka, kb, _, _, _, done = c
+        return ~done & (ka + kb <= _STEPS)  # alpha < beta (float64 steps of 1e-5)
+
+    def body(c):
+        ka, kb, start, end, best, _ = c
+        l_ = jnp.searchsorted(csum, _fraction(total, ka + 1), side="left")
+        r_ = jnp.searchsorted(csum, _fraction(total, _STEPS - kb - 1), side="right") - 1
+        l_, r_ = jnp.clip(l_, start, end), jnp.clip(r_, start, end)
+        move_start = (l_ - start) > (end - r_)
+        new_start = jnp.where(move_start, l_, start)
+        new_end = jnp.where(move_start, end, r_)
+        stuck = (new_start == start) & (new_end == end)
+        norm = _error(hist, width, span, span_err, new_start, new_end, dst)
+        worse = ~stuck & (norm > best)
+        take = ~stuck & ~worse
+        ka = ka + (move_start & ~stuck).astype(jnp.int32)
+        kb = jnp.where(stuck, first_beta_move(ka, kb, start, end),
+                       kb + (~move_start).astype(jnp.int32))
+        return (ka, kb, jnp.where(take, new_start, start), jnp.where(take, new_end, end),
+                jnp.where(take, norm, best), worse)
+
+    skip = ~(lo < hi)  # one value (PyTorch ends with the same range), nothing seen, or NaN
+    i0 = jnp.int32(0)
+    _, _, start, end, _, _ = lax.while_loop(
+        cond, body, (i0, i0, i0, jnp.int32(bins - 1), _F32(jnp.inf), skip))
+    new_lo = lo + no_fma(width * start.astype(_F32))
+    new_hi = lo + no_fma(width * (end + 1).astype(_F32))
+    return jnp.where(skip, lo, new_lo), jnp.where(skip, hi, new_hi)
+
+
+@functools.partial(jax.jit, static_argnames=("dst_bins",))
+def search_range(state: HistogramState, dst_bins: int) -> tuple[jax.Array, jax.Array]:
+    """The clipped ``[min, max]`` per group minimizing the estimated L2 error.
+
+    Args:
+      state: ``(G, bins)`` histograms.
+      dst_bins: the number of quantization levels (``2 ** bits``).
+
+    Returns:
+      ``(lo, hi)`` of shape ``(G,)``, as ``_non_linear_param_search`` returns.
+
+    Example:
+      >>> empty = HistogramState(jnp.zeros((1, 8)), jnp.full(1, jnp.inf), jnp.full(1, -jnp.inf))
+      >>> state = update(update(empty, jnp.array([[0.0, 1.0, 1.0, 2.0]])), jnp.array([[4.0]]))
+      >>> search_range(state, dst_bins=256)  # PyTorch: (tensor(0.), tensor(3.5000))
+      (Array([0.], dtype=float32), Array([3.5], dtype=float32))
+    """
+    return jax.vmap(functools.partial(_search_one, dst=dst_bins))(
+        state.hist, state.min, state.max)
+
+
+def as_rows(state: HistogramState) -> HistogramState:
+    """``state`` with its groups flattened: ``hist (G, bins)``, ``min``/``max`` ``(G,)``."""
+    bins = state.hist.shape[-1]
+    return HistogramState(state.hist.reshape(-1, bins), state.min.reshape(-1),
+                          state.max.reshape(-1))
+
+
+def _percentile_one(hist, lo, hi, qs):
+    bins = hist.shape[0]
+    csum = _cumsum(hist)
+    n = csum[-1]
+    width = divide(hi - lo, _F32(bins))
+
+    def order_stat(k):  # the k-th smallest value (0-based), spread evenly in its bin
+        b = jnp.clip(jnp.searchsorted(csum, k, side="right"), 0, bins - 1)
+        before = jnp.where(b > 0, csum[b - 1], _F32(0))
+        v = lo + width * (b.astype(_F32) + divide(k - before + _F32(0.5), hist[b]))
+        return jnp.clip(jnp.where(k <= 0, lo, jnp.where(k >= n - 1, hi, v)), lo, hi)
+
+    h = (n - 1) * qs / _F32(100)
+    k = jnp.floor(h)
+    a, b = order_stat(k), order_stat(k + 1)
+    return a + (h - k) * (b - a)
+
+
+@jax.jit
+def percentile_range(state: HistogramState, q: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """The ``100 - q`` and ``q`` percentiles per group, read off the histograms.
+
+    numpy's default (linear) definition: the value at position
+    ``(n - 1) * q / 100`` among the ``n`` sorted values seen, interpolating
+    between neighbours; each value is placed in its bin, the ``c`` values of a
+    bin spread evenly across it (``j``-th at ``left + width * (j + 0.5) / c``),
+    and the smallest and largest at the exact ``min`` and ``max``. It is
+    within about one bin width of ``numpy.percentile`` of the data.
+
+    Args:
+      state: ``(G, bins)`` histograms.
+      q: the upper percentile, in ``[50, 100]`` (float32 scalar).
+
+    Returns:
+      ``(lo, hi)`` of shape ``(G,)``.
+    """
+    qs = jnp.stack([_F32(100) - q, q]).astype(_F32)
+    out = jax.vmap(lambda h, a, b: _percentile_one(h, a, b, qs))(state.hist, state.min, state.max)
+    valid = state.min < state.max  # else: one value, nothing seen (inf, -inf), or NaN
+    return jnp.where(valid, out[:, 0], state.min), jnp.where(valid, out[:, 1], state.max)
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "symmetric", "num_candidates"))
+def mse_range(state: HistogramState, dtype, symmetric: bool,
+              num_candidates: int) -> tuple[jax.Array, jax.Array]:
+    """``r * [min, max]`` per group for the ratio ``r`` with the least squared error.
+
+    The ratios are ``k / num_candidates``, ``k = 1 .. num_candidates``; the
+    error of ratio ``r`` is ``sum(hist * (fake_quant(center) - center)**2)``
+    over the bin centers, with the scale `scale_from_range` gives for that
+    range; the first (smallest) ratio wins a tie.
+
+    Args:
+      state: ``(G, bins)`` histograms.
+      dtype: the format's dtype.
+      symmetric: symmetric or affine scales.
+      num_candidates: the number of ratios.
+
+    Returns:
+      ``(lo, hi)`` of shape ``(G,)``.
+    """
+    fmt = get_format(dtype)
+    hist, lo, hi = state
+    width = divide(hi - lo, _F32(hist.shape[1]))
+    idx = jnp.arange(hist.shape[1], dtype=_F32)[None]
+    centers = lo[:, None] + no_fma(width[:, None] * (idx + _F32(0.5)))
+
+    def error(k):
+        r = divide((k + 1).astype(_F32), _F32(num_candidates))
+        scale, zero_point = scale_from_range(lo * r, hi * r, fmt, symmetric)
+        fq = fake_quant(centers, scale, zero_point, dtype=fmt.dtype, axis=0)
+        return jnp.sum(hist * jnp.square(fq - centers), axis=1)
+
+    errors = lax.map(error, jnp.arange(num_candidates, dtype=jnp.int32))
+    r = divide((jnp.argmin(errors, axis=0) + 1).astype(_F32), _F32(num_candidates))
+    valid = lo < hi
+    return jnp.where(valid, lo * r, lo), jnp.where(valid, hi * r, hi)

@@ -1,0 +1,438 @@
+"""The checkpoint layout: a tree with `QTensor` leaves as flat tensors plus a JSON header.
+
+`encode` names every stored tensor by its leaf's ``/``-joined path (a QTensor's
+by ``<path>/qvalue``, ``/scale``, ``/zero_point``), packs 2- and 4-bit codes in
+uint8 with ONNX's layout, bitcasts the dtypes safetensors lacks to unsigned
+integers, and writes a header (leaf kinds, QTensor metadata, the logical dtype,
+shape and CRC-32 of each tensor) that makes the checkpoint self-describing; the
+README's "Checkpoint format" documents it. `read_header`, `plan`, `verify` and
+`build` check a checkpoint (header checksum and version, the set of tensors,
+their dtypes, shapes and checksums; paths, kinds, dtypes, shapes and QTensor
+metadata against a target tree) and rebuild the tree on the target's shardings.
+`_checkpoint` moves tensors and header to and from safetensors files and orbax.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import zlib
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant._formats import FORMATS
+from jaxquant._packing import PackedArray, pack_bits, unpack_bits
+from jaxquant._qtensor import QTensor, is_qtensor
+from jaxquant._tree import path_str
+
+__all__ = ["encode", "header_metadata", "read_header", "plain_header", "plan", "placements",
+           "sharding_of", "storage", "verify", "build", "ST_CODES", "HEADER_KEY"]
+
+FORMAT_NAME = "jaxquant.checkpoint"
+FORMAT_VERSION = 1
+HEADER_KEY = "jaxquant"
+HEADER_CRC_KEY = "jaxquant.crc32"
+
+# NumPy dtype name -> safetensors dtype code, for the dtypes stored as they are.
+ST_CODES = {
+    "bool": "BOOL", "uint8": "U8", "int8": "I8", "uint16": "U16", "int16": "I16",
+    "uint32": "U32", "int32": "I32", "uint64": "U64", "int64": "I64", "float16": "F16",
+    "bfloat16": "BF16", "float32": "F32", "float64": "F64", "complex64": "C64",
+    "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2", "float8_e4m3fnuz": "F8_E4M3FNUZ",
+    "float8_e5m2fnuz": "F8_E5M2FNUZ", "float8_e8m0fnu": "F8_E8M0",
+}
+_UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+_KINDS = {"array": "an array", "packed": "a PackedArray", "qtensor": "a QTensor"}
+
+
+def _is_record(x) -> bool:
+    return isinstance(x, (QTensor, PackedArray))
+
+
+def _is_arraylike(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def _join(path: str, child: str) -> str:
+    return f"{path}/{child}" if path else child
+
+
+def _subbyte_bits(dtype: np.dtype) -> int | None:
+    fmt = FORMATS.get(dtype.name)
+    return fmt.bits if fmt is not None and fmt.bits < 8 else None
+
+
+def crc32(a) -> int:
+    """CRC-32 of an array's little-endian bytes (or of a bytes-like object)."""
+    if isinstance(a, (bytes, bytearray, memoryview)):
+        return zlib.crc32(a)
+    return zlib.crc32(host(a).reshape(-1).view(np.uint8))
+
+
+def host(a) -> np.ndarray:
+    """``a`` as a contiguous little-endian NumPy array (gathers a sharded jax.Array)."""
+    a = np.asarray(a, order="C")  # not ascontiguousarray: it makes scalars 1-D
+    return a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
+
+
+# --- tree -> tensors + header ------------------------------------------------------------
+
+
+@jax.jit
+def _pack(codes: jax.Array) -> jax.Array:
+    return pack_bits(codes, -1)
+
+
+def _encode_array(x) -> tuple[dict, Any]:
+    """The header entry of one array and the array to store."""
+    if isinstance(x, np.generic):
+        x = np.asarray(x)
+    if not isinstance(x.data if isinstance(x, PackedArray) else x, (jax.Array, np.ndarray)):
+        raise TypeError(f"only concrete arrays can be saved, got {type(x).__name__}.")
+    dtype, shape = np.dtype(x.dtype), tuple(x.shape)
+    spec: dict[str, Any] = {"dtype": dtype.name, "shape": list(shape)}
+    if isinstance(x, PackedArray):
+        return spec | {"encoding": "packed", "axis": x.axis}, x.data
+    if _subbyte_bits(dtype):
+        codes = jnp.reshape(x, (1,)) if not shape else x
+        return spec | {"encoding": "packed", "axis": codes.ndim - 1}, _pack(codes)
+    if dtype.name in ST_CODES:
+        return spec | {"encoding": "raw"}, x
+    if dtype.itemsize in _UINTS:
+        uint = _UINTS[dtype.itemsize]
+        data = x.view(uint) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, uint)
+        return spec | {"encoding": "bitcast"}, data
+    raise TypeError(f"cannot store dtype {dtype.name}: no safetensors dtype of its width.")
+
+
+def encode(tree: Any, *, to_host: bool) -> tuple[dict, dict[str, Any]]:
+    """Flattens ``tree`` into ``(header, tensors by name)``.
+
+    With ``to_host`` the tensors are NumPy arrays; otherwise they stay where they
+    are (sharded jax.Arrays for orbax). Checksums are taken of the host bytes.
+    """
+    leaves: dict[str, dict] = {}
+    specs: dict[str, dict] = {}
+    tensors: dict[str, Any] = {}
+
+    def add(key: str, x) -> None:
+        if key in specs:
+            raise ValueError(f"two tensors would be stored under the name {key!r}; rename one "
+                             f"of the tree keys so that their '/'-joined paths differ.")
+        spec, data = _encode_array(x)
+        h = host(data)
+        specs[key], tensors[key] = spec | {"crc32": crc32(h)}, (h if to_host else data)
+
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_record)
+    for p, leaf in flat:
+        path = path_str(p)
+        if path in leaves:
+            raise ValueError(f"two leaves have the same path {path!r}; rename one of the keys.")
+        if is_qtensor(leaf):
+            add(_join(path, "qvalue"), leaf.qvalue)
+            add(_join(path, "scale"), leaf.scale)
+            if leaf.zero_point is not None:
+                add(_join(path, "zero_point"), leaf.zero_point)
+            leaves[path] = {"kind": "qtensor", "axis": leaf.axis, "block_size": leaf.block_size,
+                            "dtype": np.dtype(leaf.dtype).name, "packed": leaf.packed,
+                            "zero_point": leaf.zero_point is not None}
+        elif isinstance(leaf, PackedArray) or _is_arraylike(leaf):
+            add(path, leaf)
+            leaves[path] = {"kind": "packed" if isinstance(leaf, PackedArray) else "array"}
+        else:
+            raise TypeError(f"leaf {path!r} is a {type(leaf).__name__}; checkpoints hold arrays, "
+                            f"QTensors and PackedArrays (convert it with jnp.asarray).")
+    header = {"format": FORMAT_NAME, "version": FORMAT_VERSION, "leaves": leaves,
+              "tensors": specs}
+    return header, tensors
+
+
+def header_metadata(header: dict, metadata: dict[str, str] | None) -> dict[str, str]:
+    """The ``__metadata__`` strings: the user's, the header JSON, and a CRC-32 of both."""
+    meta = dict(metadata or {})
+    for k, v in meta.items():
+        if not (isinstance(k, str) and isinstance(v, str)):
+            raise TypeError(f"metadata must map str to str, got {k!r}: {type(v).__name__}.")
+        if k.startswith(HEADER_KEY):
+            raise ValueError(f"metadata key {k!r} is reserved: keys starting with "
+                             f"{HEADER_KEY!r} hold jaxquant's header.")
+    text = json.dumps(header, separators=(",", ":"))
+    meta[HEADER_KEY] = text
+    return meta | {HEADER_CRC_KEY: _metadata_crc(meta)}
+
+
+def _metadata_crc(meta: dict[str, str]) -> str:
+    """CRC-32 of every ``__metadata__`` entry but the checksum, as canonical JSON."""
+    rest = {k: v for k, v in meta.items() if k != HEADER_CRC_KEY}
+    return str(zlib.crc32(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()))
+
+
+# --- header -> checked plan ---------------------------------------------------------------
+
+
+def storage(spec: dict) -> tuple[np.dtype, tuple[int, ...]]:
+    """The dtype and shape a tensor is stored with, from its header entry."""
+    dtype, shape = np.dtype(spec["dtype"]), tuple(int(n) for n in spec["shape"])
+    encoding = spec["encoding"]
+    if encoding == "raw" and dtype.name in ST_CODES:
+        return dtype, shape
+    if encoding == "bitcast" and dtype.itemsize in _UINTS:
+        return np.dtype(_UINTS[dtype.itemsize]), shape
+    if encoding == "packed" and _subbyte_bits(dtype):
+        stored = list(shape) or [1]
+        axis = spec["axis"]
+        stored[axis] = -(-stored[axis] * _subbyte_bits(dtype) // 8)
+        return np.dtype(np.uint8), tuple(stored)
+    raise ValueError(f"no {encoding!r} storage for dtype {dtype.name}")
+
+
+def _leaf_keys(path: str, entry: dict) -> list[str]:
+    if entry["kind"] in ("array", "packed"):
+        return [path]
+    if entry["kind"] != "qtensor":
+        raise ValueError(f"unknown leaf kind {entry['kind']!r}")
+    names = ["qvalue", "scale"] + (["zero_point"] if entry["zero_point"] else [])
+    return [_join(path, n) for n in names]
+
+
+def read_header(meta: dict[str, str] | None, where: str) -> dict:
+    """Parses and checks jaxquant's header from a file's ``__metadata__``.
+
+    Raises:
+      ValueError: no header, corrupted header (bad JSON, bad CRC-32, malformed
+        entries) or an unknown format version.
+    """
+    if not meta or HEADER_KEY not in meta:
+        raise ValueError(f"{where}: no {HEADER_KEY!r} entry in the metadata: not a jaxquant "
+                         f"checkpoint (load_safetensors(..., allow_plain=True) reads a plain "
+                         f"safetensors file's tensors as arrays).")
+    text = meta[HEADER_KEY]
+    try:
+        header = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: corrupted jaxquant header: invalid JSON ({e}).") from None
+    got = header.get("format") if isinstance(header, dict) else header
+    if got != FORMAT_NAME:
+        raise ValueError(f"{where}: corrupted jaxquant header: expected format "
+                         f"{FORMAT_NAME!r}, got {got!r}.")
+    if header.get("version") != FORMAT_VERSION:
+        raise ValueError(f"{where}: unknown jaxquant checkpoint version {header.get('version')!r}; "
+                         f"this jaxquant reads version {FORMAT_VERSION} (a newer file needs a "
+                         f"newer jaxquant).")
+    crc = _metadata_crc(meta)
+    if meta.get(HEADER_CRC_KEY) != crc:
+        raise ValueError(f"{where}: corrupted jaxquant metadata: its CRC-32 is {crc}, the file "
+                         f"records {meta.get(HEADER_CRC_KEY)!r}.")
+    try:
+        used = []
+        for path, entry in header["leaves"].items():
+            used += _leaf_keys(path, entry)
+        for key, spec in header["tensors"].items():
+            storage(spec)
+            if "crc32" in spec and not isinstance(spec["crc32"], int):
+                raise ValueError(f"tensor {key!r} has a non-integer crc32")
+        if sorted(used) != sorted(header["tensors"]):
+            raise ValueError("its leaves and tensors do not match")
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
+        raise ValueError(f"{where}: malformed jaxquant header: {e}.") from None
+    return header
+
+
+def plain_header(where: str, stored: dict[str, tuple[str, list[int]]]) -> dict:
+    """A header for a safetensors file jaxquant did not write: every tensor an array leaf."""
+    codes = {c: name for name, c in ST_CODES.items()}
+    for k, (c, _) in stored.items():
+        if c not in codes:
+            raise TypeError(f"{where}: tensor {k!r} has the safetensors dtype {c}, which has no "
+                            f"NumPy dtype; expected one of {sorted(codes)}.")
+    specs = {k: {"dtype": codes[c], "shape": s, "encoding": "raw"} for k, (c, s) in stored.items()}
+    return {"leaves": {k: {"kind": "array"} for k in stored}, "tensors": specs}
+
+
+def _same(where: str, key: str, expected, spec: dict) -> None:
+    if np.dtype(expected.dtype).name != spec["dtype"]:
+        raise TypeError(f"{where}: {key!r}: dtype mismatch: the target expects "
+                        f"{np.dtype(expected.dtype).name}, the file holds {spec['dtype']}.")
+    if tuple(expected.shape) != tuple(spec["shape"]):
+        raise ValueError(f"{where}: {key!r}: shape mismatch: the target expects "
+                         f"{tuple(expected.shape)}, the file holds {tuple(spec['shape'])}.")
+    if isinstance(expected, PackedArray) and expected.axis != spec.get("axis"):
+        raise ValueError(f"{where}: {key!r}: packed axis mismatch: the target expects "
+                         f"{expected.axis}, the file holds {spec.get('axis')}.")
+
+
+def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:
+    """Checks a file leaf against its target leaf, before any data is read."""
+    kind = "qtensor" if is_qtensor(t) else "packed" if isinstance(t, PackedArray) else "array"
+    if kind == "array" and not _is_arraylike(t):
+        raise TypeError(f"{where}: {path!r}: target leaves must be arrays, ShapeDtypeStructs, "
+                        f"QTensors or PackedArrays, got {type(t).__name__}.")
+    if entry["kind"] != kind:
+        raise TypeError(f"{where}: {path!r}: the target holds {_KINDS[kind]}, the file "
+                        f"{_KINDS[entry['kind']]}.")
+    if kind != "qtensor":
+        _same(where, path, t, specs[path])
+        return
+    for name in ("axis", "block_size"):
+        if getattr(t, name) != entry[name]:
+            raise ValueError(f"{where}: {path!r}: QTensor {name} mismatch: the target expects "
+                             f"{getattr(t, name)!r}, the file holds {entry[name]!r}.")
+    if np.dtype(t.dtype).name != entry["dtype"]:
+        raise TypeError(f"{where}: {path!r}: QTensor dtype mismatch: the target expects "
+                        f"{np.dtype(t.dtype).name}, the file holds {entry['dtype']}.")
+    if (t.zero_point is not None) != entry["zero_point"]:
+        has = {True: "a zero point", False: "no zero point"}
+        raise ValueError(f"{where}: {path!r}: the target expects {has[t.zero_point is not None]}, "
+                         f"the file holds {has[entry['zero_point']]}.")
+    for name in ("qvalue", "scale", "zero_point"):
+        if getattr(t, name) is not None:
+            _same(where, _join(path, name), getattr(t, name), specs[_join(path, name)])
+
+
+def plan(header: dict, target: Any, where: str) -> tuple[list, Any]:
+    """``([(path, entry, target leaf or None)], treedef or None)``, checked against ``target``.
+
+    Raises:
+      ValueError: a target key missing from the file, an extra key in the file,
+        a shape or metadata mismatch.
+      TypeError: a dtype or leaf kind mismatch.
+    """
+    leaves = header["leaves"]
+    if target is None:
+        return [(p, e, None) for p, e in leaves.items()], None
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_record)
+    paths = [path_str(p) for p, _ in flat]
+    if len(set(paths)) != len(paths):
+        raise ValueError(f"{where}: the target has two leaves with the same path.")
+    known = ", ".join(repr(p) for p in list(leaves)[:5]) + (", ..." if len(leaves) > 5 else "")
+    missing = [p for p in paths if p not in leaves]
+    if missing:
+        more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise ValueError(f"{where}: key {missing[0]!r} of the target is missing from the "
+                         f"file{more}; the file holds {known or 'no leaves'}.")
+    extra = [p for p in leaves if p not in set(paths)]
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ValueError(f"{where}: unexpected key {extra[0]!r} in the file{more}: the target "
+                         f"has no leaf at that path.")
+    for path, (_, t) in zip(paths, flat, strict=True):
+        _check_leaf(where, path, leaves[path], header["tensors"], t)
+    return [(p, leaves[p], t) for p, (_, t) in zip(paths, flat, strict=True)], treedef
+
+
+def placements(path: str, entry: dict, t) -> dict[str, Any]:
+    """Stored tensor name -> the target array (or PackedArray) that says where it goes."""
+    if t is None:
+        return {}
+    if entry["kind"] != "qtensor":
+        return {path: t}
+    return {_join(path, n): getattr(t, n) for n in ("qvalue", "scale", "zero_point")
+            if getattr(t, n) is not None}
+
+
+def sharding_of(t):
+    """The sharding a target array asks for (``None``: the default device)."""
+    return getattr(t.data if isinstance(t, PackedArray) else t, "sharding", None)
+
+
+# --- tensors -> tree ------------------------------------------------------------------
+
+
+def verify(where: str, key: str, spec: dict, stored_dtype: str, stored_shape, data) -> None:
+    """Checks a stored tensor's dtype, shape and CRC-32 against its header entry."""
+    dtype, shape = storage(spec)
+    if stored_dtype != dtype.name or tuple(stored_shape) != shape:
+        raise ValueError(f"{where}: tensor {key!r} is stored as {stored_dtype}"
+                         f"{list(stored_shape)}, its header entry says {dtype.name}"
+                         f"{list(shape)}: corrupted file.")
+    if "crc32" in spec and crc32(data) != spec["crc32"]:
+        raise ValueError(f"{where}: checksum mismatch in tensor {key!r}: CRC-32 {crc32(data)}, "
+                         f"the header records {spec['crc32']}: corrupted file.")
+
+
+def _put(where: str, key: str, x, sharding):
+    """``x`` on ``sharding`` (or the default device); never changes the dtype."""
+    want = np.dtype(x.dtype)
+    if sharding is None and jax.dtypes.canonicalize_dtype(want) != want:
+        return np.asarray(x)  # e.g. int64 without jax_enable_x64: exact as NumPy
+    y = jax.device_put(x, sharding)
+    if y.dtype != want:
+        raise TypeError(f"{where}: {key!r}: {want.name} would become {y.dtype} on the device; "
+                        f"enable jax_enable_x64 to load it.")
+    return y
+
+
+def _decode(where: str, key: str, spec: dict, data, sharding, keep_packed: bool):
+    """The array (or PackedArray) a stored tensor holds, placed on ``sharding``."""
+    dtype, shape, encoding = np.dtype(spec["dtype"]), tuple(spec["shape"]), spec["encoding"]
+    if encoding == "raw":
+        return _put(where, key, data, sharding)
+    if encoding == "bitcast":
+        data = np.asarray(data).view(dtype) if sharding is None or isinstance(data, np.ndarray) \
+            else jax.lax.bitcast_convert_type(data, dtype)
+        return _put(where, key, data, sharding)
+    axis = spec["axis"]
+    if keep_packed:
+        return PackedArray(_put(where, key, data, sharding), dtype, shape, axis)
+    if sharding is not None and isinstance(data, jax.Array):
+        data = np.asarray(data)  # committed elsewhere (orbax): let jit place the input
+    return _unpacker(sharding)(data, dtype, shape, axis)
+
+
+def _unpack(data: jax.Array, dtype: np.dtype, shape: tuple[int, ...], axis: int) -> jax.Array:
+    return unpack_bits(data, dtype, (shape or (1,))[axis], axis).reshape(shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _unpacker(sharding):
+    """`_unpack`, jitted once per output sharding (so that equal shapes compile once)."""
+    out = {} if sharding is None else {"out_shardings": sharding}
+    return jax.jit(_unpack, static_argnums=(1, 2, 3), **out)
+
+
+def build(where: str, header: dict, items: list, treedef, get) -> Any:
+    """The tree from a checked plan; ``get(name)`` returns a verified stored tensor."""
+    specs, out = header["tensors"], []
+    for path, entry, t in items:
+        where_to = {k: sharding_of(v) for k, v in placements(path, entry, t).items()}
+
+        def load(name, keep_packed=False, path=path, where_to=where_to):
+            key = path if name is None else _join(path, name)
+            return _decode(where, key, specs[key], get(key), where_to.get(key), keep_packed)
+
+        if entry["kind"] != "qtensor":
+            out.append(load(None, keep_packed=entry["kind"] == "packed"))
+            continue
+        packed = entry["packed"] if t is None else t.packed
+        qvalue, scale = load("qvalue", packed), load("scale")
+        zp = load("zero_point") if entry["zero_point"] else None
+        try:
+            out.append(QTensor(qvalue, scale, zp, axis=entry["axis"],
+                               block_size=entry["block_size"], dtype=entry["dtype"]))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {path!r}: the stored QTensor is inconsistent: {e}") from e
+    if treedef is not None:
+        return jax.tree_util.tree_unflatten(treedef, out)
+    return nest(where, dict(zip([p for p, _, _ in items], out, strict=True)))
+
+
+def nest(where: str, flat: dict[str, Any]) -> Any:
+    """Nested dicts from ``/``-joined paths (a single ``""`` path is the tree itself)."""
+    if list(flat) == [""]:
+        return flat[""]
+    root: dict = {}
+    for path, value in flat.items():
+        *parents, last = path.split("/")
+        node = root
+        for k in parents:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict) or last in node:
+            raise ValueError(f"{where}: cannot rebuild nested dicts: {path!r} collides with "
+                             f"another leaf's path; pass target= with the tree's structure.")
+        node[last] = value
+    return root
