@@ -14,8 +14,10 @@ from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qe
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import FORMATS, Format, get_format
 from jaxquant._packing import PackedArray, pack, pack_bits, unpack, unpack_bits
+from jaxquant._qat_dot import QATDotGeneral, qat_dot_general
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize, quantize
+from jaxquant._report import LeafReport, format_report, quantization_report
 from jaxquant._tree import (
     QuantSpec,
     dequantize_tree,
@@ -31,7 +33,9 @@ __all__ = [
     "FORMATS",
     "ActQuant",
     "Format",
+    "LeafReport",
     "PackedArray",
+    "QATDotGeneral",
     "QDotGeneral",
     "QTensor",
     "QuantSpec",
@@ -39,6 +43,7 @@ __all__ = [
     "dequantize",
     "dequantize_tree",
     "fake_quant",
+    "format_report",
     "get_format",
     "is_qtensor",
     "load_orbax",
@@ -47,8 +52,10 @@ __all__ = [
     "pack",
     "pack_bits",
     "promote_dtype",
+    "qat_dot_general",
     "qdot_general",
     "qeinsum",
+    "quantization_report",
     "quantize",
     "quantize_tree",
     "save_orbax",

@@ -1,9 +1,232 @@
-"""The ``jaxquant`` command line: ``jaxquant demo``."""
+"""The ``jaxquant`` command line: ``quantize``, ``report`` and ``demo``.
+
+``jaxquant quantize IN.safetensors OUT.safetensors --rules 'REGEX=SPEC' ...``
+reads a safetensors file (a plain one, such as a Hugging Face checkpoint, or
+one jaxquant wrote), quantizes its tensors by rules, writes a jaxquant
+safetensors file and prints the per-tensor report. ``jaxquant report IN [OUT]``
+prints the report of a file alone (formats, bytes) or of IN against its
+quantized OUT (SQNR, largest error). ``jaxquant demo`` trains, quantizes and
+runs a small model.
+
+Rules, one ``--rules`` argument each, tried in order (the first whose REGEX
+`re.search` finds in a tensor's name wins; unmatched tensors are kept)::
+
+    RULE   := REGEX "=" SPEC            (split at the first "=")
+    SPEC   := "none" | FORMAT (":" OPTION)*
+    FORMAT := int2 | uint2 | int4 | uint4 | int8 | uint8 | int16 | uint16 | int32
+              | float8_e4m3fn | float8_e5m2 | float4_e2m1fn
+    OPTION := "axis=" INT | "axis=none"  (default -1: one scale per last-axis entry)
+              | "block=" INT             (blocks of INT along axis)
+              | "packed"                 (2- and 4-bit codes two or four per byte)
+              | "asym"                   (asymmetric: min/max with a zero point)
+              | "nosaturate"             (float formats: no clipping to the largest value)
+
+Examples: ``int8``, ``int8:axis=0``, ``int4:block=32:packed``, ``float8_e4m3fn``,
+``none``. Without ``--rules``, every floating tensor of rank >= 2 becomes int8
+with one scale per last-axis entry (`jaxquant.quantize_tree`'s default).
+PyTorch checkpoints store ``Linear`` weights as ``(out, in)``: ``axis=0`` gives
+one scale per output channel.
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
+from typing import Any
+
+from jaxquant._formats import FORMATS
+from jaxquant._tree import QuantSpec
+
+__all__ = ["main", "parse_spec", "parse_rule"]
+
+_USAGE_ERROR, _RUN_ERROR = 2, 1
+_HELP = __doc__.replace("``", "").replace("`", "")  # the docstring, without markup
+
+
+def parse_spec(text: str) -> QuantSpec | None:
+    """A `QuantSpec` from its command-line form (``int4:block=32:packed``; ``none``).
+
+    Args:
+      text: ``none``, or a format name followed by ``:``-separated options
+        ``axis=INT``, ``axis=none``, ``block=INT``, ``packed``, ``asym``,
+        ``nosaturate`` (see the module docstring).
+
+    Returns:
+      The spec, or ``None`` for ``none`` (the tensor is kept).
+
+    Raises:
+      ValueError: an unknown format or option, a malformed number, or options
+        that `QuantSpec` rejects (``packed`` for an 8-bit format...).
+
+    Example:
+      >>> parse_spec("int4:axis=0:block=32:packed")
+      QuantSpec(dtype=dtype(int4), axis=0, block_size=32, symmetric=True, saturate=True,
+                packed=True)
+      >>> parse_spec("int8:sym")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: unknown option 'sym' in 'int8:sym'; expected axis=INT, axis=none, block=INT, ...
+    """
+    name, *options = text.strip().split(":")
+    if name == "none" and not options:
+        return None
+    if name not in FORMATS:
+        raise ValueError(f"unknown format {name!r} in {text!r}; expected none or one of "
+                         f"{', '.join(FORMATS)}.")
+    kw: dict[str, Any] = {"dtype": name}
+    for opt in options:
+        key, _, value = opt.partition("=")
+        if key == "axis" and value:
+            kw["axis"] = None if value == "none" else _int(value, opt, text)
+        elif key == "block" and value:
+            kw["block_size"] = _int(value, opt, text)
+        elif opt in ("packed", "asym", "nosaturate"):
+            kw[{"packed": "packed", "asym": "symmetric", "nosaturate": "saturate"}[opt]] = \
+                opt == "packed"
+        else:
+            raise ValueError(f"unknown option {opt!r} in {text!r}; expected axis=INT, axis=none, "
+                             f"block=INT, packed, asym or nosaturate.")
+    try:
+        return QuantSpec(**kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{text!r}: {e}") from e
+
+
+def _int(value: str, opt: str, text: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{opt!r} in {text!r} needs an integer, got {value!r}.") from None
+
+
+def parse_rule(text: str) -> tuple[str, QuantSpec | None]:
+    """A ``(pattern, spec)`` rule from ``REGEX=SPEC`` (split at the first ``=``).
+
+    Args:
+      text: the rule, for example ``'attn/.*kernel=int4:block=32:packed'``.
+
+    Returns:
+      ``(pattern, QuantSpec | None)``, as `jaxquant.quantize_tree` takes.
+
+    Raises:
+      ValueError: no ``=``, an invalid regular expression, or a bad SPEC.
+
+    Example:
+      >>> parse_rule("bias$=none")
+      ('bias$', None)
+      >>> parse_rule("kernel=float8_e4m3fn:axis=none")[1].axis is None
+      True
+    """
+    pattern, sep, spec = text.partition("=")
+    if not sep:
+        raise ValueError(f"rule {text!r} must be REGEX=SPEC, for example 'kernel=int8'.")
+    try:
+        re.compile(pattern)
+    except re.error as e:
+        raise ValueError(f"rule {text!r}: invalid regular expression {pattern!r}: {e}.") from None
+    try:
+        return pattern, parse_spec(spec)
+    except ValueError as e:
+        raise ValueError(f"rule {text!r}: {e}") from None
+
+
+class _Fail(Exception):
+    """A one-line error for the user, with the exit status."""
+
+    def __init__(self, message: str, status: int = _RUN_ERROR):
+        super().__init__(message)
+        self.status = status
+
+
+def _load(path: str):
+    from jaxquant._checkpoint import load_safetensors
+
+    if not os.path.isfile(path):
+        raise _Fail(f"{path}: no such file")
+    try:
+        return load_safetensors(path, allow_plain=True)
+    except (ImportError, TypeError, ValueError) as e:
+        raise _Fail(str(e).splitlines()[0]) from None
+
+
+def _progress(total: int, quiet: bool):
+    """A tqdm bar over tensors (on stderr), or a stand-in when quiet or tqdm is missing."""
+    if not quiet:
+        try:
+            from tqdm import tqdm
+
+            return tqdm(total=total, unit="tensor", desc="quantize", file=sys.stderr)
+        except ImportError:  # pragma: no cover - tqdm comes with the io extra
+            pass
+
+    class Silent:
+        def update(self, n=1):
+            pass
+
+        def set_postfix_str(self, s):
+            pass
+
+        def close(self):
+            pass
+
+    return Silent()
+
+
+def _quantize(args) -> int:
+    import jax
+
+    from jaxquant._checkpoint import save_safetensors
+    from jaxquant._qtensor import is_qtensor
+    from jaxquant._report import format_report, quantization_report
+    from jaxquant._tree import match_rules, path_str, unused_rules
+
+    try:
+        rules = None if not args.rules else [parse_rule(r) for r in args.rules]
+    except ValueError as e:
+        raise _Fail(f"--rules: {e}", _USAGE_ERROR) from None
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise _Fail(f"{args.output}: cannot write: no such directory {folder}")
+    tree = _load(args.input)
+    for rule in unused_rules(tree, rules) if rules else []:
+        print(f"jaxquant: warning: rule {rule[0]!r} matches no tensor", file=sys.stderr)
+    specs = match_rules(tree, rules)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qtensor)
+    bar = _progress(sum(s is not None for s in specs.values()), args.quiet)
+    out = []
+    for path, leaf in leaves:
+        spec = specs[path_str(path)]
+        if spec is not None:
+            bar.set_postfix_str(path_str(path)[-40:])
+            leaf = jax.block_until_ready(spec(leaf))
+            bar.update()
+        out.append(leaf)
+    bar.close()
+    qtree = jax.tree_util.tree_unflatten(treedef, out)
+    try:
+        save_safetensors(args.output, qtree)
+    except Exception as e:  # OSError, or safetensors' own error type
+        raise _Fail(f"{args.output}: cannot write: {str(e).splitlines()[0]}") from None
+    print(format_report(quantization_report(tree, qtree)))
+    print(f"wrote {args.output}")
+    return 0
+
+
+def _report(args) -> int:
+    from jaxquant._report import format_report, quantization_report
+
+    tree = _load(args.input)
+    if args.output is None:
+        rows = quantization_report(tree)
+    else:
+        try:
+            rows = quantization_report(tree, _load(args.output))
+        except (TypeError, ValueError) as e:
+            raise _Fail(f"{args.input} vs {args.output}: {e}") from None
+    print(format_report(rows))
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -13,10 +236,27 @@ def main(argv: list[str] | None = None) -> int:
       argv: arguments without the program name (default: ``sys.argv[1:]``).
 
     Returns:
-      The process exit status.
+      The process exit status: 0, 1 (a file that cannot be read or written),
+      2 (bad arguments; argparse's own usage errors exit with 2 as well).
+
+    Example:
+      >>> main(["quantize", "missing.safetensors", "out.safetensors"])
+      1
     """
-    parser = argparse.ArgumentParser(prog="jaxquant", description=__doc__)
+    parser = argparse.ArgumentParser(prog="jaxquant", description=_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quantize", help="quantize a safetensors file by rules",
+                       description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    q.add_argument("input", metavar="IN", help="a safetensors file (plain or jaxquant)")
+    q.add_argument("output", metavar="OUT", help="the jaxquant safetensors file to write")
+    q.add_argument("--rules", nargs="+", metavar="REGEX=SPEC", action="extend",
+                   help="rules, first match wins (SPEC: none, int8, int8:axis=0, "
+                        "int4:block=32:packed, float8_e4m3fn, ...; see above)")
+    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    r = sub.add_parser("report", help="per-tensor table of a file, or of IN against OUT")
+    r.add_argument("input", metavar="IN", help="a safetensors file (the float one, with OUT)")
+    r.add_argument("output", metavar="OUT", nargs="?", help="its quantized version")
     demo = sub.add_parser("demo", help="train a small model on real text, quantize it to "
                                        "every format, run it quantized, print a table")
     demo.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
@@ -27,7 +267,12 @@ def main(argv: list[str] | None = None) -> int:
         from jaxquant._demo import run
 
         run(steps=args.steps)
-    return 0
+        return 0
+    try:
+        return (_quantize if args.command == "quantize" else _report)(args)
+    except _Fail as e:
+        print(f"jaxquant {args.command}: error: {e}", file=sys.stderr)
+        return e.status
 
 
 if __name__ == "__main__":

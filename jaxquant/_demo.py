@@ -5,12 +5,16 @@ read from the running interpreter. A small byte-level MLP language model is
 trained for a few seconds, then its parameter tree is quantized to several
 formats and granularities. For each, the demo prints the storage, the
 signal-to-quantization-noise ratio, the largest error, the time to quantize
-the whole tree (compiled), and the validation loss of the jitted model run on
-the quantized parameters (dequantized inside the same program).
+the whole tree (compiled), and the validation loss and next-byte accuracy of
+the jitted model run on the quantized parameters: every dense layer is a
+`jaxquant.qdot_general` (weight-only: the codes are dequantized inside the
+same program; "W8A8": int8 x int8 -> int32 with activations quantized on the
+fly). The per-leaf report of one quantized tree follows the table.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import pathlib
 import sysconfig
@@ -22,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+from jaxquant._report import format_report, quantization_report
 
 CONTEXT = 16
 EMBED = 32
@@ -61,25 +66,39 @@ def init_params(key: jax.Array) -> dict:
             "head": dense(k[3], HIDDEN, VOCAB)}
 
 
-def _value(leaf):
-    return jq.dequantize(leaf) if jq.is_qtensor(leaf) else leaf
+def forward(params: dict, tokens: jax.Array, act_quant: jq.ActQuant | None = None) -> jax.Array:
+    """Next-byte logits for ``tokens`` of shape ``(batch, CONTEXT)``; QTensor leaves welcome.
 
+    Dense layers run through `jaxquant.qdot_general` (``act_quant``: int8 x int8
+    -> int32 for QTensor kernels; ``None``: weight-only); a quantized embedding
+    table is dequantized.
+    """
+    table = params["embed"]["embedding"]
+    table = jq.dequantize(table) if jq.is_qtensor(table) else table
+    h = table[tokens].reshape(tokens.shape[0], -1)
 
-def forward(params: dict, tokens: jax.Array) -> jax.Array:
-    """Next-byte logits for ``tokens`` of shape ``(batch, CONTEXT)``; QTensor leaves welcome."""
-    p = jax.tree.map(_value, params, is_leaf=jq.is_qtensor)
-    h = p["embed"]["embedding"][tokens].reshape(tokens.shape[0], -1)
+    def dense(h, p):
+        dims = (((1,), (0,)), ((), ()))
+        return jq.qdot_general(h, p["kernel"], dims, act_quant=act_quant) + p["bias"][None, :]
+
     for name in ("dense_0", "dense_1"):
-        h = jax.nn.gelu(h @ p[name]["kernel"] + p[name]["bias"])
-    return h @ p["head"]["kernel"] + p["head"]["bias"]
+        h = jax.nn.gelu(dense(h, params[name]))
+    return dense(h, params["head"])
 
 
-def loss_fn(params: dict, batch: tuple[jax.Array, jax.Array]) -> jax.Array:
+def loss_fn(params: dict, batch: tuple[jax.Array, jax.Array],
+            act_quant: jq.ActQuant | None = None) -> jax.Array:
     """Mean cross-entropy in bits per byte."""
+    return _metrics(params, batch, act_quant)[0]
+
+
+def _metrics(params, batch, act_quant=None) -> tuple[jax.Array, jax.Array]:
+    """(cross-entropy in bits per byte, next-byte top-1 accuracy)."""
     tokens, targets = batch
-    logp = jax.nn.log_softmax(forward(params, tokens))
+    logits = forward(params, tokens, act_quant)
+    logp = jax.nn.log_softmax(logits)
     nll = -jnp.take_along_axis(logp, targets[:, None], axis=1).mean()
-    return nll / jnp.log(2.0)
+    return nll / jnp.log(2.0), jnp.mean(jnp.argmax(logits, axis=1) == targets)
 
 
 def batches(data: np.ndarray, batch: int, seed: int):
@@ -139,6 +158,7 @@ CONFIGS: list[tuple[str, str, jq.QuantSpec | None]] = [
     ("float32", "-", None),
     ("int8", "per-tensor", jq.QuantSpec(axis=None)),
     ("int8", "per-channel", jq.QuantSpec()),
+    ("int8 W8A8", "per-channel", jq.QuantSpec()),
     ("uint8 (asym)", "per-channel", jq.QuantSpec(dtype=jnp.uint8, symmetric=False)),
     ("float8_e4m3fn", "per-channel", jq.QuantSpec(dtype=jnp.float8_e4m3fn)),
     ("float8_e5m2", "per-channel", jq.QuantSpec(dtype=jnp.float8_e5m2)),
@@ -160,8 +180,12 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print) -> list[dict
     print_fn(f"trained a byte-level MLP ({jq.tree_nbytes(params):,} bytes of float32 "
              f"parameters) for {steps} steps in {time.perf_counter() - t0:.1f} s")
     val = [next(batches(val_data, 4096, seed=1)) for _ in range(2)]
-    evaluate = jax.jit(lambda p: jnp.mean(jnp.stack([loss_fn(p, b) for b in val])))
-    rows = []
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def evaluate(p, act_quant):
+        return jnp.mean(jnp.stack([jnp.stack(_metrics(p, b, act_quant)) for b in val]), axis=0)
+
+    rows, reports = [], {}
     for fmt, gran, spec in CONFIGS:
         rules = None if spec is None else [("embed|kernel", spec)]
         if spec is None:
@@ -171,12 +195,18 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print) -> list[dict
             qparams = convert(params)
             seconds = median_time(lambda convert=convert: convert(params))
         snr, worst = sqnr_db(params, jq.dequantize_tree(qparams))
+        loss, acc = (float(v) for v in evaluate(qparams, jq.ActQuant() if "W8A8" in fmt
+                                                 else None))
         rows.append(dict(format=fmt, granularity=gran, bytes=jq.tree_nbytes(qparams),
                          sqnr_db=snr, max_error=worst, quantize_ms=1e3 * seconds,
-                         val_bits_per_byte=float(evaluate(qparams))))
+                         val_bits_per_byte=loss, val_accuracy=acc))
+        reports[fmt, gran] = qparams
     print_fn(format_table(rows))
-    print_fn(f"time ms: compiled quantize_tree of the whole tree (median of 5); "
-             f"total {time.perf_counter() - t0:.1f} s")
+    print_fn("time ms: compiled quantize_tree of the whole tree (median of 5); dense layers "
+             "run as jq.qdot_general: weight-only, or int8 x int8 -> int32 (W8A8)")
+    print_fn("\nper-leaf report, int4 blocks of 32 along the input axis:")
+    print_fn(format_report(quantization_report(params, reports["int4", "block 32"])))
+    print_fn(f"total {time.perf_counter() - t0:.1f} s")
     return rows
 
 
@@ -184,12 +214,13 @@ def format_table(rows: list[dict]) -> str:
     """The demo's rows as an aligned text table."""
     base = rows[0]["bytes"]
     head = (f"{'format':<14} {'granularity':<12} {'bytes':>10} {'x float':>8} {'SQNR dB':>8} "
-            f"{'max err':>9} {'time ms':>8} {'val bits/byte':>14}")
+            f"{'max err':>9} {'time ms':>8} {'val bits/byte':>14} {'acc %':>6}")
     lines = [head, "-" * len(head)]
     for r in rows:
         snr = "inf" if math.isinf(r["sqnr_db"]) else f"{r['sqnr_db']:.1f}"
         lines.append(f"{r['format']:<14} {r['granularity']:<12} {r['bytes']:>10,} "
                      f"{r['bytes'] / base:>8.3f} {snr:>8} {r['max_error']:>9.2e} "
-                     f"{r['quantize_ms']:>8.2f} {r['val_bits_per_byte']:>14.4f}"
+                     f"{r['quantize_ms']:>8.2f} {r['val_bits_per_byte']:>14.4f} "
+                     f"{100 * r['val_accuracy']:>6.2f}"
                      .replace(" nan", "   -"))
     return "\n".join(lines)

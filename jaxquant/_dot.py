@@ -205,11 +205,19 @@ def _to_output(v: jax.Array, contract: tuple, batch: tuple, side: int, n_other_f
 
 
 def _int_dot(ops, dims, act_quant, out_dtype, out_sharding):
-    contract, batch = dims
     block = {op.block_size for op in ops if _is_q(op) and op.block_size}
-    parts = [_int_operand(op, contract[i], act_quant) for i, op in enumerate(ops)]
+    parts = [_int_operand(op, dims[0][i], act_quant) for i, op in enumerate(ops)]
+    return int_dot_parts(parts, dims, block.pop() if block else None, out_dtype, out_sharding)
+
+
+def int_dot_parts(parts, dims, block, out_dtype, out_sharding):
+    """The int8 x int8 -> int32 dot of two ``(codes, scale, zero point)`` from `_int_operand`.
+
+    ``block``: the block size of a blocked operand (its contracting axis), or ``None``.
+    """
+    contract, batch = dims
     if block:  # the contracting axis k becomes (k: a batch axis of blocks, k + 1: contracted)
-        (b,), ks = block, [c[0] for c in contract]
+        b, ks = block, [c[0] for c in contract]
         parts = [(_to_blocks(q, k, b), jnp.expand_dims(s, k + 1),
                   None if z is None else jnp.expand_dims(z, k + 1))
                  for (q, s, z), k in zip(parts, ks, strict=True)]

@@ -8,9 +8,10 @@ formula). Float formats map ``absmax`` to the largest finite value.
 
 Groups of zeros get scale 1 (their codes are zeros, never NaN or inf), and
 scales are kept at or above the smallest normal float32, because XLA:CPU
-flushes subnormals to zero. Every division is `divide` (one IEEE rounding), so
-the scale is the same number eagerly, under ``jit`` and on every backend
-(XLA would otherwise turn ``amax / 127`` into ``amax * (1 / 127)`` under ``jit``).
+flushes subnormals to zero. Every division is `divide` (correctly rounded), so
+the scale is the same number eagerly, under ``jit`` and on every backend (XLA
+would otherwise turn ``amax / 127`` into ``amax * (1 / 127)`` under ``jit``, and
+XLA:GPU's own division is up to 2 ulps off).
 """
 
 from __future__ import annotations

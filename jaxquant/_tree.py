@@ -68,7 +68,22 @@ class QuantSpec:
             raise ValueError(f"packed=True needs a 2- or 4-bit format, got {self.dtype.name}.")
 
     def __call__(self, x: jax.Array) -> QTensor:
-        """Quantizes one array with this spec."""
+        """Quantizes one array with this spec (scales computed from ``x``).
+
+        Args:
+          x: a float array.
+
+        Returns:
+          ``jaxquant.quantize(x, dtype=..., axis=..., ...)`` with this spec's fields.
+
+        Raises:
+          TypeError, ValueError: as `jaxquant.quantize` (non-float ``x``, ``axis``
+            out of range...).
+
+        Example:
+          >>> QuantSpec(axis=0)(jnp.array([[1.0, -2.0], [0.5, 0.25]])).scale
+          Array([0.01574803, 0.00393701], dtype=float32)
+        """
         return quantize(x, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
                         symmetric=self.symmetric, saturate=self.saturate, packed=self.packed)
 
@@ -77,7 +92,18 @@ Rules = QuantSpec | Sequence[tuple[str, QuantSpec | None]] | None
 
 
 def path_str(path) -> str:
-    """A key path as ``/``-joined key names (``params/Dense_0/kernel``)."""
+    """A key path as ``/``-joined key names (``params/Dense_0/kernel``).
+
+    Args:
+      path: a key path from `jax.tree_util.tree_flatten_with_path`.
+
+    Returns:
+      Dict keys, attribute names and sequence indices joined by ``/``.
+
+    Example:
+      >>> [path_str(p) for p, _ in jax.tree_util.tree_leaves_with_path({"a": [1, 2]})]
+      ['a/0', 'a/1']
+    """
     parts = []
     for k in path:
         for attr in ("key", "name", "idx"):
@@ -120,6 +146,16 @@ def _select(path: str, leaf, rules) -> tuple[QuantSpec | None, int | None]:
 def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
     """The spec each leaf gets (``None``: kept as it is), by path.
 
+    Args:
+      tree: a pytree of arrays (existing `QTensor` leaves are kept: ``None``).
+      rules: as for `quantize_tree`.
+
+    Returns:
+      ``{path: QuantSpec | None}`` for every leaf, in the tree's leaf order.
+
+    Raises:
+      TypeError: a malformed rule.
+
     Example:
       >>> tree = {"dense": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}}
       >>> match_rules(tree, [("kernel", QuantSpec(dtype=jnp.int4))])["dense/bias"] is None
@@ -133,6 +169,18 @@ def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
 
 def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
     """The rules of ``rules`` that match no leaf path of ``tree`` (likely typos).
+
+    A rule that matches only paths an earlier rule already took counts as unused.
+
+    Args:
+      tree: a pytree of arrays.
+      rules: as for `quantize_tree` (``None`` or a single `QuantSpec`: ``[]``).
+
+    Returns:
+      The unused ``(pattern, spec)`` pairs, in their order in ``rules``.
+
+    Raises:
+      TypeError: a malformed rule.
 
     Example:
       >>> unused_rules({"w": jnp.ones((2, 2))}, [("w", QuantSpec()), ("kernal", None)])
@@ -160,7 +208,11 @@ def quantize_tree(tree: Any, rules: Rules = None) -> Any:
         `QTensor` leaves are always kept.
 
     Returns:
-      The same structure with `QTensor` leaves where a rule applied.
+      The same structure with `QTensor` leaves where a rule applied. A sharded
+      leaf (``NamedSharding``) gives codes with the same sharding and scales
+      sharded along the mesh axes of the dimensions they index (per-axis: the
+      channel's mesh axis; blocked: both); XLA's sharding propagation places
+      them, eagerly or under ``jit``.
 
     Raises:
       TypeError: a malformed rule.
@@ -185,6 +237,15 @@ def quantize_tree(tree: Any, rules: Rules = None) -> Any:
 def dequantize_tree(tree: Any) -> Any:
     """Turns every `QTensor` leaf back into an array of its ``dtype``.
 
+    Under ``jit`` on sharded leaves, each array comes back with its codes'
+    sharding.
+
+    Args:
+      tree: a pytree with `QTensor` leaves.
+
+    Returns:
+      The same structure, `QTensor` leaves replaced by `jaxquant.dequantize`.
+
     Example:
       >>> import jaxquant as jq
       >>> t = jq.dequantize_tree(jq.quantize_tree({"w": jnp.eye(2)}))
@@ -197,7 +258,19 @@ def dequantize_tree(tree: Any) -> Any:
 
 
 def tree_nbytes(tree: Any) -> int:
-    """Storage bytes of a tree, counting `QTensor` leaves at their real cost."""
+    """Storage bytes of a tree, counting `QTensor` leaves at their real cost.
+
+    Args:
+      tree: a pytree of arrays (jax or NumPy) and `QTensor` leaves.
+
+    Returns:
+      The sum of ``size * itemsize`` of the arrays and `QTensor.nbytes` (codes
+      at their bit width, plus scales and zero points).
+
+    Example:
+      >>> tree_nbytes({"w": jnp.ones((4, 8)), "q": quantize(jnp.ones((4, 8)), axis=1)})
+      192
+    """
     total = 0
     for leaf in jax.tree.leaves(tree, is_leaf=is_qtensor):
         total += leaf.nbytes if is_qtensor(leaf) else int(np.prod(np.shape(leaf))) * \

@@ -123,7 +123,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         return lax.slice_in_dim(y, 0, qt.shape[p], axis=k)
 
     def cpu(lhs, rhs):  # see the module docstring: schedules the dequantize next to its dot
-        s = jnp.ravel((lhs if _is_q(lhs) else rhs).scale)[0]
+        s = jnp.max((lhs if _is_q(lhs) else rhs).scale)  # a scalar on any sharding
         return lax.cond(s == s, dot, dot, lhs, rhs)  # same branches: the predicate is moot
 
     return lax.platform_dependent(lhs, rhs, cpu=cpu, default=dot)

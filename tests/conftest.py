@@ -8,3 +8,6 @@ import jax  # noqa: E402
 
 jax.config.update("jax_numpy_dtype_promotion", "strict")
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# Float references are exact float32 dots: on GPU the default float32 matmul
+# precision is TF32 (10-bit mantissa), which alone moves results by ~1e-3.
+jax.config.update("jax_default_matmul_precision", "highest")

@@ -313,3 +313,24 @@ def test_flax_linen_dense_injection():
         assert hash(dot) == hash(QDotGeneral(act_quant=dot.act_quant))
         y = jax.jit(MLP(dot).apply)(qparams, x)
         np.testing.assert_allclose(np.asarray(y), ref, atol=0.05 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=32),
+                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=32, packed=True)],
+                         ids=["int8", "int4-block", "int4-block-packed"])
+def test_weight_only_on_explicitly_sharded_mesh(spec):
+    """jax.make_mesh's default (Explicit) axes: sharded weights need no gather of the scale."""
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    w = jax.random.normal(jax.random.key(0), (64, 256))
+    x = jax.random.normal(jax.random.key(1), (16, 64))
+    dims = (((1,), (0,)), ((), ()))
+    with jax.set_mesh(mesh):
+        q = jax.jit(spec)(jax.device_put(w, NamedSharding(mesh, P(None, "model"))))
+        y = jax.jit(lambda x, q: qdot_general(x, q, dims))(
+            jax.device_put(x, NamedSharding(mesh, P("data", None))), q)
+        assert y.sharding.spec == P("data", "model")
+    ref = np.asarray(x) @ np.asarray(jq.dequantize(jax.device_get(q)))
+    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5)

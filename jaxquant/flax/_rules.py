@@ -1,0 +1,188 @@
+"""Per-layer configuration: `QuantConfig`, `ActSpec` and rules on module paths.
+
+A rule is a plain ``(pattern, QuantConfig | None)`` pair. A layer's path is its
+module path joined by ``/`` (linen ``ScanBlock_0/Dense_0``, nnx
+``blocks/0/linear``), matched with `re.search`; the first matching rule wins,
+``None`` leaves the layer in float, unmatched layers stay float too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+from collections.abc import Sequence
+from typing import Literal
+
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from jaxquant._dot import ActQuant
+from jaxquant._formats import get_format
+from jaxquant._tree import QuantSpec
+
+__all__ = ["ActSpec", "QuantConfig", "Rules", "check_rules", "select", "unused"]
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActSpec:
+    """How a layer's input activations are fake-quantized (symmetric, no zero point).
+
+    Attributes:
+      dtype: the format of the codes (int8, int4, float8...).
+      granularity: dynamic scales, computed on every call: ``"token"``, one
+        scale per index of the input's non-contracted dimensions (per row of a
+        ``Dense`` input); ``"tensor"``, one scale for the whole input.
+        Convolutions (and an nnx ``Einsum`` whose equation is given at call
+        time) use one scale per tensor.
+      scale: a static per-tensor scale (from calibration, for example, see
+        `jaxquant.calibration`); ``None`` for dynamic scales.
+
+    Raises:
+      ValueError: an unknown granularity or a scale that is not a positive
+        finite number.
+      TypeError: an unknown format.
+
+    Example:
+      >>> ActSpec(granularity="tensor")
+      ActSpec(dtype=dtype('int8'), granularity='tensor', scale=None)
+    """
+
+    dtype: DTypeLike = jnp.int8
+    granularity: Literal["token", "tensor"] = "token"
+    scale: float | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "dtype", get_format(self.dtype).dtype)
+        if self.granularity not in ("token", "tensor"):
+            raise ValueError(f"ActSpec.granularity must be 'token' or 'tensor', got "
+                             f"{self.granularity!r}.")
+        if self.scale is not None:
+            ok = isinstance(self.scale, int | float) and not isinstance(self.scale, bool)
+            if not ok or not (math.isfinite(self.scale) and self.scale > 0):
+                raise ValueError(f"ActSpec.scale must be None or a positive finite float, got "
+                                 f"{self.scale!r}.")
+            object.__setattr__(self, "scale", float(self.scale))
+
+    def act_quant(self) -> ActQuant:
+        """The `jaxquant.ActQuant` of the int8 x int8 -> int32 inference dot.
+
+        Returns:
+          ``ActQuant(granularity=self.granularity)``.
+
+        Raises:
+          ValueError: a format other than int8 (the integer dot takes int8 codes).
+        """
+        if self.dtype != jnp.int8:
+            raise ValueError(f"int8 x int8 inference needs ActSpec(dtype=jnp.int8), got "
+                             f"dtype={self.dtype.name}; use act=None (weight-only) for "
+                             f"inference or an int8 ActSpec.")
+        return ActQuant(granularity=self.granularity)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class QuantConfig:
+    """How one layer is quantized: a frozen, hashable record.
+
+    Attributes:
+      weight: the kernel's `jaxquant.QuantSpec` (default: int8, one scale per
+        output feature, ``axis=-1``), or ``None`` to keep the kernel float.
+      act: an `ActSpec` for the layer's input, or ``None`` (float input;
+        weight-only at inference).
+      int8_dot: ``Dense``-like layers (linen ``Dense``/``DenseGeneral``, nnx
+        ``Linear``/``LinearGeneral``) train through a real int8 x int8 -> int32
+        dot with straight-through gradients (``jaxquant._qat_dot``). Needs
+        symmetric int8 weights and ``act=None`` or a dynamic int8 `ActSpec`;
+        other layers keep fake quantization.
+      learn_scale: the kernel's scale is a trainable variable (LSQ, Esser et
+        al. 2020, arXiv:1902.08153), initialized to the absmax scale: linen
+        keeps it in the ``"quant"`` collection as ``kernel_scale``, nnx as an
+        ``nnx.Param``. Needs a symmetric weight spec.
+
+    Raises:
+      TypeError: a field of the wrong type.
+      ValueError: an inconsistent combination (see the attributes).
+
+    Example:
+      >>> import jaxquant as jq
+      >>> cfg = QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, block_size=32), act=ActSpec())
+      >>> cfg.weight.block_size, cfg.act.granularity
+      (32, 'token')
+    """
+
+    weight: QuantSpec | None = dataclasses.field(default_factory=QuantSpec)
+    act: ActSpec | None = None
+    int8_dot: bool = False
+    learn_scale: bool = False
+
+    def __post_init__(self):
+        if not (self.weight is None or isinstance(self.weight, QuantSpec)):
+            raise TypeError(f"QuantConfig.weight must be a jaxquant.QuantSpec or None, got "
+                            f"{type(self.weight).__name__}.")
+        if not (self.act is None or isinstance(self.act, ActSpec)):
+            raise TypeError(f"QuantConfig.act must be an ActSpec or None, got "
+                            f"{type(self.act).__name__}.")
+        for name in ("int8_dot", "learn_scale"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"QuantConfig.{name} must be a bool, got "
+                                f"{getattr(self, name)!r}.")
+        if self.learn_scale and (self.weight is None or not self.weight.symmetric):
+            raise ValueError(f"learn_scale=True needs a symmetric weight spec, got "
+                             f"weight={self.weight!r}.")
+        if self.int8_dot:
+            w, a = self.weight, self.act
+            if w is None or w.dtype != jnp.int8 or not w.symmetric:
+                raise ValueError(f"int8_dot=True needs weight=QuantSpec(dtype=jnp.int8, "
+                                 f"symmetric=True), got weight={w!r}.")
+            if a is not None and (a.dtype != jnp.int8 or a.scale is not None):
+                raise ValueError(f"int8_dot=True needs act=None or a dynamic int8 ActSpec(), "
+                                 f"got act={a!r}.")
+            if self.learn_scale:
+                raise ValueError("int8_dot=True computes the weight scale from the weight; "
+                                 "it cannot be combined with learn_scale=True.")
+
+
+Rules = QuantConfig | Sequence[tuple[str, QuantConfig | None]]
+
+
+def check_rules(rules: Rules) -> tuple[tuple[re.Pattern, QuantConfig | None], ...]:
+    """Compiled rules; one `QuantConfig` becomes the rule ``("", config)`` (every layer).
+
+    Raises:
+      TypeError: ``rules`` is not a QuantConfig or a sequence of
+        ``(str, QuantConfig | None)`` pairs.
+      ValueError: a pattern that is not a valid regular expression.
+    """
+    if isinstance(rules, QuantConfig):
+        return ((re.compile(""), rules),)
+    if isinstance(rules, str | bytes) or not isinstance(rules, Sequence):
+        raise TypeError(f"rules must be a QuantConfig or a sequence of (pattern, QuantConfig "
+                        f"| None) pairs, got {type(rules).__name__}.")
+    out = []
+    for i, rule in enumerate(rules):
+        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
+                and (rule[1] is None or isinstance(rule[1], QuantConfig))):
+            raise TypeError(f"rules[{i}] must be a (pattern: str, QuantConfig | None) pair, "
+                            f"got {rule!r}.")
+        try:
+            out.append((re.compile(rule[0]), rule[1]))
+        except re.error as e:
+            raise ValueError(f"rules[{i}] has an invalid pattern {rule[0]!r}: {e}.") from None
+    return tuple(out)
+
+
+def select(path: str, rules) -> tuple[QuantConfig | None, int | None]:
+    """``(config or None, index of the matching rule or None)`` for a layer path."""
+    for i, (pattern, config) in enumerate(rules):
+        if pattern.search(path):
+            return config, i
+    return None, None
+
+
+def unused(paths, rules: Rules) -> list[tuple[str, QuantConfig | None]]:
+    """The rules (as given) that no path in ``paths`` selects first."""
+    checked = check_rules(rules)
+    if isinstance(rules, QuantConfig):
+        rules = [("", rules)]
+    used = {select(p, checked)[1] for p in paths}
+    return [rule for i, rule in enumerate(rules) if i not in used]

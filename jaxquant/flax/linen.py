@@ -1,0 +1,368 @@
+"""Quantization of unmodified ``flax.linen`` models through ``nn.intercept_methods``.
+
+`quantize_linen` wraps a model and its rules. Its ``init`` / ``apply`` run the
+model under a method interceptor that catches ``__call__`` of ``Dense``,
+``DenseGeneral``, ``Conv``, ``Einsum`` and ``Embed`` (and ``Embed.attend``)
+and re-runs the layer bound to the same scope with an injected
+``promote_dtype`` (fake quantization of kernel and input) or ``dot_general``
+(the int8 training dot). A layer whose stored kernel is a `jaxquant.QTensor`
+(from `QuantizedLinen.quantize_params`) runs quantized instead: weight-only
+(dequantized inside the jitted op) or int8 x int8 -> int32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxquant._dot import promote_dtype as q_promote_dtype
+from jaxquant._qtensor import is_qtensor
+from jaxquant._quantize import quantize
+from jaxquant.flax._ops import (
+    InferConv,
+    InferDot,
+    InferEinsum,
+    QATDot,
+    QATPromote,
+    einsum_contract,
+    embed_take,
+    init_scale,
+)
+from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
+
+__all__ = ["QuantizedLinen", "quantize_linen"]
+
+LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Einsum, nn.Embed)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PassPromote:
+    """`jaxquant.promote_dtype` (QTensors pass through), marking a re-run layer."""
+
+    def __call__(self, *args, dtype=None, inexact=True):
+        return q_promote_dtype(*args, dtype=dtype, inexact=inexact)
+
+
+def _kernel_name(m) -> str:
+    return "embedding" if isinstance(m, nn.Embed) else "kernel"
+
+
+def _get(m, name):
+    if not m.scope.has_variable("params", name):
+        return None
+    return nn.meta.unbox(m.scope.get_variable("params", name))
+
+
+def _einsum_str(m, args, kwargs) -> str:
+    s = kwargs.get("einsum_str", args[1] if len(args) > 1 else None)
+    return (s if s is not None else m.einsum_str).replace(" ", "")
+
+
+def _contract(m, method, args, kwargs):
+    if isinstance(m, nn.Conv):
+        return None
+    if isinstance(m, nn.DenseGeneral):
+        return tuple(m.axis) if isinstance(m.axis, tuple | list) else (m.axis,)
+    if isinstance(m, nn.Einsum):
+        return einsum_contract(_einsum_str(m, args, kwargs))
+    return (-1,)
+
+
+def _learned_scale(scope, name: str, spec, kernel):
+    """The ``"quant"`` variable ``name``, created from ``kernel``'s absmax scale at init."""
+    if scope.has_variable("quant", name):  # Embed: lookup and attend share one scale
+        return scope.get_variable("quant", name)
+    return scope.variable("quant", name, init_scale, kernel, spec).value
+
+
+def _qat(m, method: str, cfg: QuantConfig, args, kwargs):
+    weight, act = cfg.weight, cfg.act
+    updates: dict[str, Any] = {}
+    if cfg.int8_dot and isinstance(m, nn.Dense | nn.DenseGeneral):
+        updates.update(dot_general=QATDot(weight, act), dot_general_cls=None)
+        weight = act = None
+    scale = None
+    if cfg.learn_scale:
+        scale = functools.partial(_learned_scale, m.scope, _kernel_name(m) + "_scale", weight)
+    promote = QATPromote(m.promote_dtype, weight, act, _contract(m, method, args, kwargs),
+                         scale)
+    if isinstance(m, nn.Embed):  # set up already: a clone would create its table again
+        if method == "attend":
+            query, table = promote(args[0] if args else kwargs["query"], m.embedding,
+                                   dtype=m.dtype)
+            return jnp.dot(query, table.T)
+        (table,) = promote(m.embedding, dtype=m.dtype, inexact=False)
+        inputs = args[0] if args else kwargs["inputs"]
+        if not jnp.issubdtype(inputs.dtype, jnp.integer):
+            raise ValueError(f"Embed inputs must be integer indices, got dtype {inputs.dtype}.")
+        if m.num_embeddings == 1:
+            return jnp.broadcast_to(table, inputs.shape + (m.features,))
+        return jnp.take(table, inputs, axis=0)
+    updates["promote_dtype"] = promote
+    return getattr(m.clone(parent=m.scope, **updates), method)(*args, **kwargs)
+
+
+def _infer(m, method: str, act, qt, args, kwargs):
+    """A layer with a `QTensor` kernel, without materializing a float kernel."""
+    if isinstance(m, nn.Embed):
+        if method == "attend":
+            q = args[0] if args else kwargs["query"]
+            return InferDot(None)(q, qt, (((q.ndim - 1,), (1,)), ((), ())))
+        return embed_take(qt, args[0] if args else kwargs["inputs"], m.dtype)
+    if isinstance(m, nn.Conv):
+        if m.mask is not None:
+            raise ValueError(f"{type(m).__name__} at {'/'.join(m.path)}: a masked Conv cannot "
+                             f"run on a QTensor kernel; leave it float (rule -> None).")
+        clone = m.clone(parent=m.scope, conv_general_dilated=InferConv(act),
+                        conv_general_dilated_cls=None, promote_dtype=_PassPromote(),
+                        kernel_init=lambda *a, **k: qt)
+        return clone(*args, **kwargs)
+    x = args[0] if args else kwargs["inputs"]
+    bias = _get(m, "bias") if m.use_bias else None
+    x, _, bias = q_promote_dtype(x, qt, bias, dtype=m.dtype)
+    if isinstance(m, nn.Einsum):
+        s = _einsum_str(m, args, kwargs)
+        y = InferEinsum(act)(s, x, qt, precision=m.precision,
+                             preferred_element_type=m.preferred_element_type)
+        if bias is not None:
+            y = y + bias.reshape(m._get_bias_shape(s, x, jax.ShapeDtypeStruct(qt.shape,
+                                                                               qt.dtype))[1])
+        return y
+    if isinstance(m, nn.DenseGeneral):
+        axis = tuple(a % x.ndim for a in np.atleast_1d(m.axis).tolist())
+        batch = tuple(a % x.ndim for a in np.atleast_1d(m.batch_dims).tolist())
+        nb = len(batch)
+        dims = ((axis, tuple(range(nb, nb + len(axis)))), (batch, tuple(range(nb))))
+        features = tuple(np.atleast_1d(m.features).tolist())
+        expanded = tuple(x.shape[a] if a in batch else 1 for a in range(x.ndim)
+                         if a not in axis)
+        y = InferDot(act)(x, qt, dims, precision=m.precision)
+        return y if bias is None else y + bias.reshape(expanded + features)
+    y = InferDot(act)(x, qt, (((x.ndim - 1,), (0,)), ((), ())), precision=m.precision)
+    return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+
+
+def _interceptor(rules, record: dict | None = None):
+    def intercept(next_fun, args, kwargs, context):
+        m, method = context.module, context.method_name
+        if not isinstance(m, LAYERS) or isinstance(m.promote_dtype, QATPromote | _PassPromote):
+            return next_fun(*args, **kwargs)
+        calls = ("__call__", "attend", "setup") if isinstance(m, nn.Embed) else ("__call__",)
+        if method not in calls:
+            return next_fun(*args, **kwargs)
+        path = "/".join(m.path)
+        cfg, _ = select(path, rules)
+        name = _kernel_name(m)
+        stored = _get(m, name)
+        if is_qtensor(stored):
+            if method == "setup":  # Embed: the table is read in `_infer`, never unpacked
+                return None
+            return _infer(m, method, None if cfg is None else cfg.act, stored, args, kwargs)
+        if method == "setup" or cfg is None or (cfg.weight is None and cfg.act is None):
+            y = next_fun(*args, **kwargs)
+        else:
+            y = _qat(m, method, cfg, args, kwargs)
+        if record is not None and method != "setup":
+            record[path] = (type(m).__name__, name, np.ndim(_get(m, name)), cfg)
+        return y
+
+    return intercept
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedLinen:
+    """A linen model with quantization rules; made by `quantize_linen`.
+
+    ``init`` and ``apply`` take the arguments of ``module.init`` /
+    ``module.apply``. With float params, selected layers train with fake
+    quantization; with the tree of `quantize_params`, they run on `QTensor`
+    kernels. Learned scales (``learn_scale=True``) live in the ``"quant"``
+    collection: differentiate with respect to ``{"params", "quant"}``, and add
+    ``"quant"`` to ``variable_axes`` of ``nn.scan``.
+
+    Attributes:
+      module: the unmodified ``flax.linen`` model.
+      rules: a `QuantConfig`, or ``(pattern, QuantConfig | None)`` pairs on
+        ``/``-joined module paths.
+
+    Raises:
+      TypeError: ``module`` is not a linen Module; malformed rules.
+      ValueError: a pattern that is not a regular expression.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+      >>> qm = QuantizedLinen(model, (("layers_0", QuantConfig()), ("layers_9", None)))
+      >>> x = jnp.ones((1, 3))
+      >>> params = qm.init(jax.random.key(0), x)
+      >>> qm.layers(params, x)
+      {'layers_0': QuantConfig(weight=QuantSpec(dtype=dtype('int8'), axis=-1, block_size=None,
+                                                symmetric=True, saturate=True, packed=False),
+                               act=None, int8_dot=False, learn_scale=False),
+       'layers_2': None}
+      >>> qm.unused_rules(params, x)
+      [('layers_9', None)]
+    """
+
+    module: nn.Module
+    rules: tuple
+
+    def __post_init__(self):
+        if not isinstance(self.module, nn.Module):
+            raise TypeError(f"module must be a flax.linen.Module, got "
+                            f"{type(self.module).__name__}.")
+        object.__setattr__(self, "_compiled", check_rules(self.rules))
+
+    def _run(self, fn, *args, record=None, **kwargs):
+        with nn.intercept_methods(_interceptor(self._compiled, record)):
+            return fn(*args, **kwargs)
+
+    def init(self, rngs, *args, **kwargs):
+        """``module.init`` with the quantized layers.
+
+        Args:
+          rngs: as for ``module.init``.
+          *args: the model's inputs.
+          **kwargs: keyword arguments of ``module.init``.
+
+        Returns:
+          The variables; with ``learn_scale=True`` rules, a ``"quant"`` collection too.
+        """
+        return self._run(self.module.init, rngs, *args, **kwargs)
+
+    def apply(self, variables, *args, **kwargs):
+        """``module.apply``: fake-quantized on float kernels, quantized on QTensor kernels.
+
+        Args:
+          variables: from `init` (training) or `quantize_params` (inference).
+          *args: the model's inputs.
+          **kwargs: keyword arguments of ``module.apply``.
+
+        Returns:
+          What ``module.apply`` returns.
+
+        Raises:
+          ValueError: a QTensor kernel that the layer's int8 dot cannot take (see
+            `jaxquant.qdot_general`), or a non-int8 `ActSpec` at inference.
+        """
+        return self._run(self.module.apply, variables, *args, **kwargs)
+
+    def _survey(self, variables, args, kwargs) -> dict:
+        record: dict = {}
+        fn = lambda v: self._run(self.module.apply, v, *args, record=record, mutable=True,
+                                 **kwargs)
+        jax.eval_shape(fn, variables)
+        return record
+
+    def layers(self, variables, *args, **kwargs) -> dict[str, QuantConfig | None]:
+        """The covered layers the model calls, by path, with the config each gets.
+
+        Args:
+          variables: the model's variables.
+          *args: the model's inputs; ``apply`` is traced abstractly
+            (``jax.eval_shape``), nothing is computed.
+          **kwargs: keyword arguments of ``module.apply``.
+
+        Returns:
+          ``{path: QuantConfig or None}`` in call order (``None``: stays float).
+        """
+        return {p: r[3] for p, r in self._survey(variables, args, kwargs).items()}
+
+    def unused_rules(self, variables, *args, **kwargs) -> list:
+        """The rules that select no layer the model calls (likely typos).
+
+        Args:
+          variables: the model's variables.
+          *args: the model's inputs (see `layers`).
+          **kwargs: keyword arguments of ``module.apply``.
+
+        Returns:
+          The rules, as given, that are the first match of no layer.
+        """
+        return unused(self._survey(variables, args, kwargs), self.rules)
+
+    def quantize_params(self, variables, *args, **kwargs):
+        """``variables`` with the kernels of selected layers as `QTensor` leaves.
+
+        Each kernel is quantized with its rule's ``weight`` spec (packed int4
+        allowed), with its learned ``"quant"`` scale if it has one, else with
+        computed scales (the values fake quantization trained with). Kernels
+        stacked by ``nn.scan`` are quantized layer by layer. The model's inputs
+        (``*args``, ``**kwargs``) are needed to find the layers; ``apply`` is
+        traced abstractly.
+
+        Args:
+          variables: trained variables (``"params"``, and ``"quant"`` for learned scales).
+          *args: the model's inputs.
+          **kwargs: keyword arguments of ``module.apply``.
+
+        Returns:
+          A copy of ``variables``: quantized kernels, the ``"quant"`` collection dropped.
+        """
+        record = self._survey(variables, args, kwargs)
+        out = jax.tree.map(lambda x: x, dict(variables), is_leaf=is_qtensor)
+        quant = out.pop("quant", {})
+        for path, (_, name, ndim, cfg) in record.items():
+            if cfg is None or cfg.weight is None:
+                continue
+            keys = path.split("/") if path else []
+            node, qnode = out["params"], quant
+            for k in keys:
+                node, qnode = node[k], qnode.get(k, {})
+            leaf, spec = nn.meta.unbox(node[name]), cfg.weight
+            if is_qtensor(leaf):
+                continue
+            scale = qnode.get(name + "_scale") if cfg.learn_scale else None
+            if scale is None:
+                fn, operands = spec, (leaf,)
+            else:
+                fn = lambda w, s, spec=spec: quantize(
+                    w, s, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
+                    saturate=spec.saturate, packed=spec.packed)
+                operands = (leaf, scale)
+            for _ in range(leaf.ndim - ndim):  # nn.scan stacks layers on leading axes
+                fn = jax.vmap(fn)
+            node[name] = fn(*operands)
+        return out
+
+
+def quantize_linen(module: nn.Module, rules: Rules) -> QuantizedLinen:
+    """Quantization-aware training and quantized inference for an unmodified linen model.
+
+    Args:
+      module: a ``flax.linen.Module``.
+      rules: one `QuantConfig` for every covered layer, or ``(pattern,
+        QuantConfig | None)`` pairs: the first pattern `re.search` finds in the
+        layer's ``/``-joined module path wins, ``None`` keeps it float.
+
+    Returns:
+      A `QuantizedLinen` with ``init``, ``apply``, ``quantize_params``,
+      ``layers`` and ``unused_rules``.
+
+    Raises:
+      TypeError: ``module`` is not a linen Module; malformed rules.
+      ValueError: a pattern that is not a regular expression.
+
+    Example:
+      >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> import jaxquant as jq
+      >>> from jaxquant.flax import QuantConfig, quantize_linen
+      >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
+      >>> qm = quantize_linen(model, [("layers_2", None), ("Dense|layers", QuantConfig())])
+      >>> x = jnp.ones((1, 3))
+      >>> params = qm.init(jax.random.key(0), x)
+      >>> qparams = qm.quantize_params(params, x)
+      >>> qparams["params"]["layers_0"]["kernel"]
+      QTensor(int8[3, 4], axis=1, scale[4], dtype=float32)
+      >>> bool(jnp.allclose(qm.apply(params, x), qm.apply(qparams, x), atol=1e-6))
+      True
+    """
+    if isinstance(rules, list):
+        rules = tuple(rules)
+    return QuantizedLinen(module, rules)

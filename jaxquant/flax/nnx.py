@@ -1,0 +1,256 @@
+"""Quantization of ``flax.nnx`` models by module surgery.
+
+`nnx_qat` walks the model's graph (``nnx.iter_graph``) and, in each selected
+``Linear``, ``LinearGeneral``, ``Conv``, ``Einsum`` or ``Embed``, replaces the
+layer's ``promote_dtype`` (fake quantization of kernel and input) or
+``dot_general`` (the int8 training dot): the layers' own extension points, no
+parameter moves. `nnx_quantize` puts a `jaxquant.QTensor` in each selected
+kernel ``Param`` (``qt[...]`` is ``qt``) and injects ``dot_general`` /
+``einsum_op`` / ``conv_general_dilated`` that run on it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+from flax import nnx
+
+from jaxquant._dot import promote_dtype as q_promote_dtype
+from jaxquant._qtensor import is_qtensor
+from jaxquant._quantize import quantize
+from jaxquant.flax._ops import (
+    InferConv,
+    InferDot,
+    InferEinsum,
+    QATDot,
+    QATPromote,
+    einsum_contract,
+    init_scale,
+)
+from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
+
+__all__ = ["LearnedScale", "nnx_layers", "nnx_qat", "nnx_quantize", "nnx_unused_rules"]
+
+LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.Einsum, nnx.Embed)
+
+
+class LearnedScale(nnx.Module):
+    """A layer's ``promote_dtype`` whose kernel scale is an ``nnx.Param`` (LSQ).
+
+    Installed by `nnx_qat` for ``learn_scale=True``; the scale's state path is
+    ``<layer>/promote_dtype/scale``.
+
+    Args:
+      promote: the `QATPromote` that fake-quantizes with ``scale``.
+      scale: the initial scale, in the weight spec's layout.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxquant.flax import QuantConfig
+      >>> layer = nnx_qat(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), QuantConfig(learn_scale=True))
+      >>> layer.promote_dtype.scale.shape
+      (2,)
+    """
+
+    def __init__(self, promote: QATPromote, scale: jax.Array):
+        self.promote = promote
+        self.scale = nnx.Param(scale)
+
+    def __call__(self, *args, **kwargs):
+        fn = dataclasses.replace(self.promote, scale=lambda _: self.scale[...])
+        return fn(*args, **kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class _DequantPromote:
+    """``promote_dtype`` for an ``Embed`` on a QTensor table: dequantized in the jitted step."""
+
+    def __call__(self, args, dtype=None, inexact=True):
+        args = tuple(a.dequantize() if is_qtensor(a) else a for a in args)
+        return q_promote_dtype(args, dtype=dtype, inexact=inexact)
+
+
+def _kernel_name(layer) -> str:
+    return "embedding" if isinstance(layer, nnx.Embed) else "kernel"
+
+
+def _walk(model, rules):
+    compiled = check_rules(rules)
+    for path, node in nnx.iter_graph(model):
+        if isinstance(node, LAYERS):
+            p = "/".join(str(k) for k in path)
+            yield p, node, select(p, compiled)[0]
+
+
+def _contract(layer):
+    if isinstance(layer, nnx.Conv):
+        return None
+    if isinstance(layer, nnx.LinearGeneral):
+        return tuple(layer.axis)
+    if isinstance(layer, nnx.Einsum):
+        return einsum_contract(layer.einsum_str) if layer.einsum_str else None
+    return (-1,)
+
+
+def _inner_promote(layer):
+    p = layer.promote_dtype
+    if isinstance(p, LearnedScale):
+        p = p.promote
+    return p.inner if isinstance(p, QATPromote) else p
+
+
+def nnx_layers(model: nnx.Module, rules: Rules) -> dict[str, QuantConfig | None]:
+    """The covered layers of ``model``, by ``/``-joined path, with the config each gets.
+
+    Args:
+      model: an ``nnx.Module``.
+      rules: as for `nnx_qat`.
+
+    Returns:
+      ``{path: QuantConfig or None}`` (``None``: stays float).
+
+    Raises:
+      TypeError, ValueError: malformed rules.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxquant.flax import QuantConfig
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+      >>> nnx_layers(model, [("layers/0", None)])
+      {'layers/0': None}
+    """
+    return {p: cfg for p, _, cfg in _walk(model, rules)}
+
+
+def nnx_unused_rules(model: nnx.Module, rules: Rules) -> list:
+    """The rules that select no covered layer of ``model`` (likely typos).
+
+    Args:
+      model: an ``nnx.Module``.
+      rules: as for `nnx_qat`.
+
+    Returns:
+      The rules, as given, that are the first match of no layer.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxquant.flax import QuantConfig
+      >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
+      >>> nnx_unused_rules(model, [("layers/0", QuantConfig()), ("head", None)])
+      [('head', None)]
+    """
+    return unused(nnx_layers(model, rules), rules)
+
+
+def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
+    """Makes an nnx model train with fake-quantized kernels and inputs, in place.
+
+    Args:
+      model: an ``nnx.Module``; its covered layers (``Linear``,
+        ``LinearGeneral``, ``Conv``, ``Einsum``, ``Embed``) are rewired.
+      rules: one `QuantConfig` for every covered layer, or ``(pattern,
+        QuantConfig | None)`` pairs on ``/``-joined attribute paths
+        (``blocks/0/linear``); first match wins, ``None`` keeps a layer float.
+
+    Returns:
+      ``model`` itself. Parameters are untouched; ``learn_scale=True`` adds an
+      ``nnx.Param`` scale per layer (see `LearnedScale`).
+
+    Raises:
+      TypeError: ``model`` is not an nnx Module; malformed rules.
+      ValueError: an invalid pattern.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxquant.flax import QuantConfig
+      >>> model = nnx_qat(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), QuantConfig())
+      >>> type(model.promote_dtype).__name__
+      'QATPromote'
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+    for _, layer, cfg in list(_walk(model, rules)):
+        if cfg is None or (cfg.weight is None and cfg.act is None):
+            continue
+        weight, act = cfg.weight, cfg.act
+        if cfg.int8_dot and isinstance(layer, nnx.Linear | nnx.LinearGeneral):
+            layer.dot_general = QATDot(weight, act)
+            if isinstance(layer, nnx.LinearGeneral):
+                layer.dot_general_cls = None
+            weight = act = None
+        promote = QATPromote(_inner_promote(layer), weight, act, _contract(layer))
+        if cfg.learn_scale:
+            kernel = getattr(layer, _kernel_name(layer))[...]
+            layer.promote_dtype = nnx.data(LearnedScale(promote, init_scale(kernel, weight)))
+        else:
+            layer.promote_dtype = nnx.static(promote)
+    return model
+
+
+def nnx_quantize(model: nnx.Module, rules: Rules) -> nnx.Module:
+    """Replaces the kernels of selected layers by `QTensor` values for inference, in place.
+
+    Each kernel is quantized with its rule's ``weight`` spec (packed int4
+    allowed), with the learned scale of `nnx_qat` if there is one, else with
+    computed scales (what fake quantization trained with). ``Linear``,
+    ``LinearGeneral``, ``Einsum`` and ``Conv`` then run weight-only (``act=None``)
+    or int8 x int8 -> int32 (an int8 `ActSpec`); ``Embed`` dequantizes its table
+    inside the jitted step.
+
+    Args:
+      model: an ``nnx.Module``, trained float or after `nnx_qat`.
+      rules: as for `nnx_qat`.
+
+    Returns:
+      ``model`` itself.
+
+    Raises:
+      TypeError: ``model`` is not an nnx Module; malformed rules.
+      ValueError: an invalid pattern; a masked ``Conv``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxquant.flax import QuantConfig
+      >>> model = nnx_quantize(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), QuantConfig())
+      >>> model.kernel[...]
+      QTensor(int8[3, 2], axis=1, scale[2], dtype=float32)
+      >>> model(jnp.ones((1, 3))).shape
+      (1, 2)
+    """
+    if not isinstance(model, nnx.Module):
+        raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+    for path, layer, cfg in list(_walk(model, rules)):
+        if cfg is None or cfg.weight is None:
+            continue
+        if isinstance(layer, nnx.Conv) and layer.mask is not None:
+            raise ValueError(f"the Conv at {path!r} has a mask and cannot run on a QTensor "
+                             f"kernel; leave it float with a (pattern, None) rule.")
+        var, spec = getattr(layer, _kernel_name(layer)), cfg.weight
+        kernel = var[...]
+        if not is_qtensor(kernel):
+            hook = layer.promote_dtype
+            if isinstance(hook, LearnedScale):
+                kernel = quantize(kernel, hook.scale[...], dtype=spec.dtype, axis=spec.axis,
+                                  block_size=spec.block_size, saturate=spec.saturate,
+                                  packed=spec.packed)
+            else:
+                kernel = spec(kernel)
+            var.set_value(kernel)
+        act = cfg.act
+        if isinstance(layer, nnx.Embed):
+            layer.promote_dtype = nnx.static(_DequantPromote())
+            continue
+        layer.promote_dtype = nnx.static(q_promote_dtype)
+        if isinstance(layer, nnx.Einsum):
+            layer.einsum_op = InferEinsum(act)
+        elif isinstance(layer, nnx.Conv):
+            layer.conv_general_dilated = InferConv(act)
+        else:
+            layer.dot_general = InferDot(act)
+            if isinstance(layer, nnx.LinearGeneral):
+                layer.dot_general_cls = None
+    return model

