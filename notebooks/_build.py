@@ -31,6 +31,7 @@ HERE = Path(__file__).resolve().parent
 # name -> modules the notebook imports beyond jaxquant's required dependencies
 REQUIRES = {
     "01_quickstart": ["matplotlib", "optax"],
+    "02_qat_flax": ["matplotlib", "optax", "flax"],
     "03_convert_checkpoint": ["matplotlib", "flax", "safetensors"],
 }
 
