@@ -138,30 +138,15 @@ print(qparams["head"]["kernel"])
 # %% [markdown]
 # ## What each leaf became
 #
-# Format, granularity, bytes before and after, and the signal-to-quantization-noise ratio
-# of every leaf, computed with NumPy. (**Placeholder:** jaxquant's per-leaf report
-# function replaces this cell once it is part of the public API.)
+# Format, granularity, bytes before and after, the signal-to-quantization-noise ratio and
+# the largest error of every leaf: `jq.quantization_report` returns the rows as data (one jit
+# over the whole tree), `jq.format_report` prints them as a table.
 
 # %%
-float_leaves = dict(jax.tree_util.tree_leaves_with_path(params))
-rows = []
-for path, leaf in jax.tree_util.tree_leaves_with_path(qparams, is_leaf=jq.is_qtensor):
-    name = "/".join(k.key for k in path)
-    x = np.asarray(float_leaves[path])
-    if jq.is_qtensor(leaf):
-        err = x - np.asarray(leaf.dequantize())
-        snr = 10 * np.log10(np.sum(x**2) / np.sum(err**2))
-        kind = f"{leaf.format.name}{' packed' if leaf.packed else ''}"
-        gran = "blocked" if leaf.block_size else "per-axis" if leaf.axis is not None else "tensor"
-    else:
-        snr, kind, gran = None, str(leaf.dtype), "-"
-    rows.append((name, kind, gran, x.nbytes, jq.tree_nbytes(leaf), snr))
-rows.sort(key=lambda r: (r[1] == "float32", r[0]))  # quantized leaves first
-
-print(f"{'leaf':28s}{'format':18s}{'scales':9s}{'bytes':>9s}{'->':>9s}{'SQNR dB':>9s}")
-for name, kind, gran, before, after, snr in rows:
-    print(f"{name:28s}{kind:18s}{gran:9s}{before:9,d}{after:9,d}"
-          + ("        -" if snr is None else f"{snr:9.1f}"))
+report = jq.quantization_report(params, qparams)
+print(jq.format_report(report))
+rows = [(r.path, r.format, r.granularity, r.nbytes_before, r.nbytes_after, r.sqnr_db)
+        for r in sorted(report, key=lambda r: (not r.quantized, r.path))]  # quantized first
 before, after = jq.tree_nbytes(params), jq.tree_nbytes(qparams)
 print(f"total: {before:,} -> {after:,} bytes ({before / after:.2f}x smaller)")
 
