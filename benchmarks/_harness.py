@@ -14,6 +14,7 @@ import os
 import pathlib
 import platform
 import resource
+import statistics
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -79,3 +80,17 @@ def write_atomic(path: pathlib.Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def ratio_record(name: str, seconds: Sequence[float], base: Sequence[float],
+                 base_name: str = "float32") -> dict:
+    """One case's timings as a record: median and minimum ms, and ratios to ``base``.
+
+    ``seconds`` and ``base`` are per-round times of the same rounds; the ratio is
+    the median of the per-round ratios, robust to the load drifting during a run.
+    """
+    return {"case": name, "median_ms": statistics.median(seconds) * 1e3,
+            "min_ms": min(seconds) * 1e3,
+            f"vs_{base_name}": statistics.median(
+                a / b for a, b in zip(seconds, base, strict=True)),
+            f"min_vs_{base_name}_min": min(seconds) / min(base)}

@@ -28,7 +28,6 @@ import datetime
 import json
 import os
 import pathlib
-import statistics
 import sys
 import time
 import traceback
@@ -42,9 +41,9 @@ import jaxquant as jq
 from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
 
 try:  # python -m benchmarks.inference_mlp
-    from benchmarks._harness import machine_info, write_atomic
+    from benchmarks._harness import machine_info, ratio_record, write_atomic
 except ImportError:  # python benchmarks/inference_mlp.py
-    from _harness import machine_info, write_atomic
+    from _harness import machine_info, ratio_record, write_atomic
 
 WIDTH, BATCH, LAYERS = 1024, 32, 4
 DN = (((1,), (0,)), ((), ()))
@@ -211,13 +210,8 @@ def run(rounds: int, calls: int) -> dict:
         if isinstance(value, str):
             records.append({"case": name, "status": value})
             continue
-        t = times[name]
-        records.append({
-            "case": name, "median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3,
-            # the ratio within each round, then its median: robust to the load drifting
-            "vs_float32": statistics.median(a / b for a, b in zip(t, base, strict=True)),
-            "min_vs_float32_min": min(t) / min(base),
-            "bytes_vs_float32": info[name]["param_bytes"] / fbytes, **info[name]})
+        records.append(ratio_record(name, times[name], base)
+                       | {"bytes_vs_float32": info[name]["param_bytes"] / fbytes, **info[name]})
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine_info(["jax", "jaxlib", "flax", "qwix", "numpy"]),
             "model": f"{LAYERS} x Dense({WIDTH}) + ReLU, batch {BATCH}, float32 input",

@@ -50,9 +50,9 @@ import numpy as np
 from jaxquant._qat_dot import QATDotGeneral
 
 try:  # python -m benchmarks.qat_mlp
-    from benchmarks._harness import machine_info, run_rounds, write_atomic
+    from benchmarks._harness import machine_info, ratio_record, run_rounds, write_atomic
 except ImportError:  # python benchmarks/qat_mlp.py
-    from _harness import machine_info, run_rounds, write_atomic
+    from _harness import machine_info, ratio_record, run_rounds, write_atomic
 
 WIDTH, BATCH, LAYERS = 1024, 256, 4
 
@@ -190,11 +190,7 @@ def run(rounds: int, steps: int) -> dict:
         if isinstance(model, str):
             records.append({"case": name, "status": model})
             continue
-        t = times[name]
-        records.append({
-            "case": name, "median_ms": statistics.median(t) * 1e3, "min_ms": min(t) * 1e3,
-            "vs_float32": statistics.median(a / b for a, b in zip(t, base, strict=True)),
-            "min_vs_float32_min": min(t) / min(base), **info[name]})
+        records.append(ratio_record(name, times[name], base) | info[name])
     return {"date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
             "machine": machine_info(["jax", "jaxlib", "flax", "optax", "qwix", "numpy"]),
             "model": f"{LAYERS} x Dense({WIDTH}) + ReLU, batch {BATCH}, MSE, optax.adam, "

@@ -8,6 +8,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_utils import find_eqns
 
 import jaxquant as jq
 from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
@@ -98,19 +99,6 @@ def test_w8a8_two_qtensors():
                                rtol=1e-5, atol=1e-4)
 
 
-def _dots(jaxpr):
-    """Every dot_general equation, in nested jaxprs (pjit, cond branches...) too."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == "dot_general":
-            yield eqn
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, (tuple, list)) else (v,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _dots(sub.jaxpr)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _dots(sub)
-
-
 def _mlp(dot):
     def f(x, ws):
         for w in ws:
@@ -126,7 +114,7 @@ def test_jaxpr_w8a8_dots_take_int8_and_return_int32(spec):
     x, w = _data()
     ws = [jq.quantize(w[:40, :40] if i else w[:, :40], **spec) for i in range(3)]
     f = jax.jit(_mlp(lambda x, w: qdot_general(x, w, DN, act_quant=W8A8)))
-    dots = list(_dots(jax.make_jaxpr(f)(x, ws).jaxpr))
+    dots = list(find_eqns(jax.make_jaxpr(f)(x, ws).jaxpr))
     assert len(dots) == 3
     for eqn in dots:
         assert [v.aval.dtype for v in eqn.invars] == [jnp.int8, jnp.int8]
@@ -136,7 +124,7 @@ def test_jaxpr_w8a8_dots_take_int8_and_return_int32(spec):
 def test_jaxpr_weight_only_dots_are_float():
     x, w = _data()
     f = jax.jit(_mlp(lambda x, w: qdot_general(x, w, DN)))
-    dots = list(_dots(jax.make_jaxpr(f)(x, [jq.quantize(w[:, :40], axis=1)]).jaxpr))
+    dots = list(find_eqns(jax.make_jaxpr(f)(x, [jq.quantize(w[:, :40], axis=1)]).jaxpr))
     assert dots and all(v.aval.dtype == jnp.float32 for e in dots for v in e.invars)
 
 

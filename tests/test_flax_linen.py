@@ -9,6 +9,8 @@ import pytest
 nn = pytest.importorskip("flax.linen")
 optax = pytest.importorskip("optax")
 
+from jaxpr_utils import find_eqns  # noqa: E402
+
 import jaxquant as jq  # noqa: E402
 from jaxquant.flax import ActSpec, QuantConfig, quantize_linen  # noqa: E402
 
@@ -238,7 +240,7 @@ def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
     (l1, g1), (l2, g2) = loss(fast)(params), loss(fake)(params)
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-5)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), g1, g2)
-    dots = list(_dots(jax.make_jaxpr(fast.apply)(params, x).jaxpr))
+    dots = list(find_eqns(jax.make_jaxpr(fast.apply)(params, x).jaxpr))
     assert len(dots) == 2
     for eqn in dots:
         assert [v.aval.dtype for v in eqn.invars] == [jnp.int8, jnp.int8]
@@ -246,19 +248,6 @@ def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
 
 
 # ----------------------------------------------------------------------------- inference
-
-
-def _dots(jaxpr, name="dot_general"):
-    """Every `name` equation, in nested jaxprs (pjit, cond branches, scan bodies) too."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            yield eqn
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, tuple | list) else (v,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _dots(sub.jaxpr, name)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _dots(sub, name)
 
 
 def _dequantized(q):
@@ -300,14 +289,14 @@ def test_w8a8_inference_close_to_float_and_dots_are_int8(zoo, zoo_float):
     y_qat = np.asarray(jax.jit(qm.apply)(params, TOKENS))
     np.testing.assert_allclose(y, y_qat, rtol=1e-4, atol=1e-4 * np.abs(y_qat).max())
     jaxpr = jax.make_jaxpr(qm.apply)(q, TOKENS).jaxpr
-    dots = list(_dots(jaxpr))
+    dots = list(find_eqns(jaxpr))
     int_dots = [e for e in dots if [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]]
     # remat Dense, 2 DenseGeneral, Einsum, scanned Dense: int8 x int8 -> int32; only the
     # weight-only Embed.attend (dequantized inside the jit, in lax.cond branches) is float
     assert len(int_dots) == 5
     assert all(e.invars[1].aval.shape == (11, 8) for e in dots if e not in int_dots)
     assert all(e.outvars[0].aval.dtype == jnp.int32 for e in int_dots)
-    (conv,) = _dots(jaxpr, "conv_general_dilated")
+    (conv,) = find_eqns(jaxpr, "conv_general_dilated")
     assert [v.aval.dtype for v in conv.invars] == [jnp.int8, jnp.int8]
     assert conv.outvars[0].aval.dtype == jnp.int32
 

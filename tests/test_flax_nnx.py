@@ -9,6 +9,8 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
+from jaxpr_utils import find_eqns  # noqa: E402
+
 import jaxquant as jq  # noqa: E402
 from jaxquant.flax import (  # noqa: E402
     ActSpec,
@@ -191,7 +193,7 @@ def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
                  nnx.state(g1, nnx.Param), nnx.state(g2, nnx.Param))
     graphdef, state = nnx.split(fast)
     jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(x))(state).jaxpr
-    dots = list(_dots(jaxpr))
+    dots = list(find_eqns(jaxpr))
     assert len(dots) == 2
     for eqn in dots:
         assert [v.aval.dtype for v in eqn.invars] == [jnp.int8, jnp.int8]
@@ -199,19 +201,6 @@ def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
 
 
 # ----------------------------------------------------------------------------- inference
-
-
-def _dots(jaxpr, name="dot_general"):
-    """Every `name` equation, in nested jaxprs (pjit, cond branches) too."""
-    for eqn in jaxpr.eqns:
-        if eqn.primitive.name == name:
-            yield eqn
-        for v in eqn.params.values():
-            for sub in v if isinstance(v, tuple | list) else (v,):
-                if isinstance(sub, jax.extend.core.ClosedJaxpr):
-                    yield from _dots(sub.jaxpr, name)
-                elif isinstance(sub, jax.extend.core.Jaxpr):
-                    yield from _dots(sub, name)
 
 
 @pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, packed=True),
@@ -245,12 +234,12 @@ def test_w8a8_inference_close_to_float_and_dots_are_int8(zoo, zoo_float):
     np.testing.assert_allclose(y, y_qat, rtol=1e-4, atol=1e-4 * np.abs(y_qat).max())
     graphdef, state = nnx.split(q)
     jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(TOKENS))(state).jaxpr
-    dots = list(_dots(jaxpr))
+    dots = list(find_eqns(jaxpr))
     int_dots = [e for e in dots if [v.aval.dtype for v in e.invars] == [jnp.int8, jnp.int8]]
     # Linear, 2 LinearGeneral, Einsum, 2 blocks: int8 x int8 -> int32; Embed.attend: float
     assert len(int_dots) == 6
     assert all(e.outvars[0].aval.dtype == jnp.int32 for e in int_dots)
     assert all(e.outvars[0].aval.shape == (2, 5, 11) for e in dots if e not in int_dots)
-    (conv,) = _dots(jaxpr, "conv_general_dilated")
+    (conv,) = find_eqns(jaxpr, "conv_general_dilated")
     assert [v.aval.dtype for v in conv.invars] == [jnp.int8, jnp.int8]
     assert conv.outvars[0].aval.dtype == jnp.int32

@@ -17,6 +17,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_utils import find_eqns
 
 import jaxquant as jq
 
@@ -115,16 +116,8 @@ def test_w8a8_runs_int8_dots(loaded):
     tree = minilm.quantize_params(params, W8A8)
     fn = minilm.encoder(model, W8A8.act_quant, True)
     jaxpr = jax.make_jaxpr(fn)(tree, batch)
-    dots = []
-
-    def walk(jx):
-        for eqn in jx.eqns:
-            if eqn.primitive.name == "dot_general":
-                dots.append(tuple(str(v.aval.dtype) for v in (*eqn.invars, *eqn.outvars)))
-            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                walk(sub)
-
-    walk(jaxpr.jaxpr)
+    dots = [tuple(str(v.aval.dtype) for v in (*e.invars, *e.outvars))
+            for e in find_eqns(jaxpr.jaxpr)]
     assert dots.count(("int8", "int8", "int32")) == 36  # every Dense kernel
     assert dots.count(("float32", "float32", "float32")) == 12  # q k^T and p v, 6 layers
     cos = cosines(embed(loaded, W8A8), embed(loaded, minilm.VARIANTS[0]))

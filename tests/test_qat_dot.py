@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax import lax
+from jaxpr_utils import find_eqns
 
 import jaxquant as jq
 from jaxquant._dot import ActQuant
@@ -194,16 +195,8 @@ def test_forward_is_an_int8_dot_and_backward_float():
     x, w = _rand(6, 96), _rand(96, 40, seed=1)
 
     def dots(fn, *args):
-        found = []
-
-        def walk(jaxpr):
-            for eqn in jaxpr.eqns:
-                if eqn.primitive.name == "dot_general":
-                    found.append(([v.aval.dtype for v in eqn.invars], eqn.outvars[0].aval.dtype))
-                for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-                    walk(sub)
-        walk(jax.make_jaxpr(fn)(*args).jaxpr)
-        return found
+        return [([v.aval.dtype for v in e.invars], e.outvars[0].aval.dtype)
+                for e in find_eqns(jax.make_jaxpr(fn)(*args).jaxpr)]
 
     fwd = dots(lambda x, w: qat_dot_general(x, w, DN), x, w)
     assert fwd == [([jnp.int8, jnp.int8], jnp.int32)]
