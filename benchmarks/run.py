@@ -1,5 +1,10 @@
 """Core benchmark: jaxquant quantize / dequantize / fake_quant against its peers.
 
+Formats: int8 (per tensor, per channel, computed scales), int4 in blocks of 128,
+and the low-bit formats NF4 (blocks of 64), MXFP8 (E4M3), MXFP4 and NVFP4, each
+quantized (scales computed from the data) and dequantized, next to a plain
+``jnp`` spelling of the same format.
+
 Run from the repository root (either form)::
 
     python -m benchmarks.run                  # 8192 x 8192 float32, 7 rounds
@@ -66,6 +71,8 @@ class Inputs:
     def __init__(self, size: int, seed: int = 0):
         self.size = size
         self.seed = seed
+        self._formatted: dict[str, jq.QTensor] = {}
+        self._plain_formatted: dict[str, tuple[jax.Array, ...]] = {}
 
     @functools.cached_property
     def x_np(self) -> np.ndarray:
@@ -106,6 +113,20 @@ class Inputs:
     def qt_ch(self) -> jq.QTensor:
         """Per-row int8 `QTensor` of ``x`` (the per-channel dequantize input)."""
         return jax.block_until_ready(jq.quantize(self.x, self.scales, axis=0))
+
+    def formatted(self, fmt: str) -> jq.QTensor:
+        """``x`` quantized by jaxquant to ``FORMATS[fmt]`` (a dequantize input), built once."""
+        if fmt not in self._formatted:
+            fn = jax.jit(functools.partial(jq.quantize, **FORMATS[fmt]))
+            self._formatted[fmt] = jax.block_until_ready(fn(self.x))
+        return self._formatted[fmt]
+
+    def plain_formatted(self, fmt: str) -> tuple[jax.Array, ...]:
+        """``x`` quantized by the plain jnp spelling of ``fmt`` (codes and scales), built once."""
+        if fmt not in self._plain_formatted:
+            quantize, _ = PLAIN_FORMATS[fmt]
+            self._plain_formatted[fmt] = jax.block_until_ready(jax.jit(quantize)(self.x))
+        return self._plain_formatted[fmt]
 
     @functools.cached_property
     def codes_np(self) -> np.ndarray:
@@ -177,6 +198,138 @@ def plain_block_codes(x, block=128, qmax=7):
     s = plain_absmax_scale(b, axis=-1, qmax=qmax)
     q = jnp.clip(jnp.round(b / s), -qmax - 1, qmax).astype(jnp.int8)
     return q.reshape(x.shape), s
+
+
+def plain_block_dequantize(q, s, block=128):
+    """``codes * scale`` in blocks along the last axis, float32."""
+    b = q.astype(jnp.float32).reshape(q.shape[0], -1, block)
+    return (b * s.astype(jnp.float32)).reshape(q.shape)
+
+
+# --------------------------------------------------------------------------- low-bit formats
+
+FORMATS: dict[str, dict] = {
+    "int4": dict(dtype=jnp.int4, axis=-1, block_size=128, packed=True),
+    "nf4": dict(dtype="nf4", packed=True),
+    "mxfp8_e4m3": dict(dtype="mxfp8_e4m3"),
+    "mxfp4": dict(dtype="mxfp4", packed=True),
+    "nvfp4": dict(dtype="nvfp4", packed=True),
+}
+"""The ``jq.quantize`` arguments of each low-bit format timed here (all along the rows)."""
+
+NF4_VALUES = np.asarray(
+    [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0], np.float32)
+"""bitsandbytes' NF4 table (code i holds value i)."""
+
+
+def _e8m0_scale(amax, emax: int):
+    """OCP MX shared scale ``2**(floor(log2(amax)) - emax)`` (1 for all-zero blocks), float32."""
+    _, e = jnp.frexp(amax)  # amax = m * 2**e with m in [0.5, 1): floor(log2(amax)) = e - 1
+    return jnp.exp2(jnp.where(amax > 0, jnp.clip(e - 1 - emax, -127, 127), 0).astype(jnp.float32))
+
+
+def plain_nf4_quantize(x, block=64):
+    """NF4 the usual way: absmax per block, then the nearest table entry by ``argmin``."""
+    b = x.reshape(x.shape[0], -1, block)
+    s = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
+    s = jnp.where(s > 0, s, 1.0)
+    q = jnp.argmin(jnp.abs((b / s)[..., None] - NF4_VALUES), axis=-1).astype(jnp.uint8)
+    return q.reshape(x.shape), s
+
+
+def plain_nf4_dequantize(q, s, block=64):
+    """``table[codes] * scale``."""
+    b = jnp.asarray(NF4_VALUES)[q.reshape(q.shape[0], -1, block)]
+    return (b * s).reshape(q.shape)
+
+
+def plain_mx_quantize(x, dtype=jnp.float8_e4m3fn, emax=8, block=32):
+    """OCP MX: a power-of-two scale per block of 32, codes cast to ``dtype`` after clipping."""
+    b = x.reshape(x.shape[0], -1, block)
+    s = _e8m0_scale(jnp.max(jnp.abs(b), axis=-1, keepdims=True), emax)
+    top = float(jnp.finfo(dtype).max)
+    q = jnp.clip(b / s, -top, top).astype(dtype)
+    return q.reshape(x.shape), s.astype(jnp.float8_e8m0fnu)
+
+
+def plain_mx_dequantize(q, s):
+    """``codes * scale`` in blocks of 32."""
+    return plain_block_dequantize(q, s, 32)
+
+
+def plain_nvfp4_quantize(x):
+    """NVFP4: a float32 tensor scale, float8_e4m3fn scales per block of 16, E2M1 codes."""
+    b = x.reshape(x.shape[0], -1, 16)
+    block_scale = jnp.max(jnp.abs(b), axis=-1, keepdims=True) / 6
+    tensor_scale = jnp.max(block_scale) / 448
+    s8 = (block_scale / tensor_scale).astype(jnp.float8_e4m3fn)
+    q = jnp.clip(b / (s8.astype(jnp.float32) * tensor_scale), -6, 6).astype(jnp.float4_e2m1fn)
+    return q.reshape(x.shape), s8, tensor_scale
+
+
+def plain_nvfp4_dequantize(q, s8, tensor_scale):
+    """``codes * block scale * tensor scale``."""
+    b = q.astype(jnp.float32).reshape(q.shape[0], -1, 16)
+    return (b * (s8.astype(jnp.float32) * tensor_scale)).reshape(q.shape)
+
+
+PLAIN_FORMATS: dict[str, tuple[Callable, Callable]] = {
+    "int4": (plain_block_codes, plain_block_dequantize),
+    "nf4": (plain_nf4_quantize, plain_nf4_dequantize),
+    "mxfp8_e4m3": (plain_mx_quantize, plain_mx_dequantize),
+    "mxfp4": (functools.partial(plain_mx_quantize, dtype=jnp.float4_e2m1fn, emax=2),
+              plain_mx_dequantize),
+    "nvfp4": (plain_nvfp4_quantize, plain_nvfp4_dequantize),
+}
+"""Each format's plain jnp (quantize, dequantize): unpacked codes, one byte each."""
+
+
+def jq_format_quantize(fmt: str) -> Callable[[Inputs], Callable[[], object]]:
+    """A builder of ``jq.quantize(x, **FORMATS[fmt])``, jitted."""
+    return lambda i: jax_call(functools.partial(jq.quantize, **FORMATS[fmt]), i.x)
+
+
+def jq_format_dequantize(fmt: str) -> Callable[[Inputs], Callable[[], object]]:
+    """A builder of ``jq.dequantize`` of ``x`` in format ``fmt``, jitted."""
+    return lambda i: jax_call(jq.dequantize, i.formatted(fmt))
+
+
+def plain_format_quantize(fmt: str) -> Callable[[Inputs], Callable[[], object]]:
+    """A builder of the plain jnp quantize of ``fmt``, jitted."""
+    return lambda i: jax_call(PLAIN_FORMATS[fmt][0], i.x)
+
+
+def plain_format_dequantize(fmt: str) -> Callable[[Inputs], Callable[[], object]]:
+    """A builder of the plain jnp dequantize of ``fmt`` (of its own codes), jitted."""
+    return lambda i: jax_call(PLAIN_FORMATS[fmt][1], *i.plain_formatted(fmt))
+
+
+def format_cases(fmt: str, group: str, label: str, packed_bits: float, plain_bits: float,
+                 plain_label: str, extra_read: float = 0.0) -> list[Case]:
+    """jaxquant and plain jnp quantize and dequantize rows of one low-bit format.
+
+    Args:
+      fmt: the key of `FORMATS` and `PLAIN_FORMATS`.
+      group: the rows' group.
+      label: the jaxquant rows' format description.
+      packed_bits: jaxquant's stored bits per element (codes and scales).
+      plain_bits: the plain spelling's stored bits per element (one byte per code).
+      plain_label: the plain rows' format description.
+      extra_read: bytes per element read before the first code can be written
+        (4 for NVFP4's tensor scale).
+    """
+    q, dq = f"quantize {label}", f"dequantize {label}"
+    pq, pdq = _pt(f"{fmt} quantize ({plain_label})"), _pt(f"{fmt} dequantize ({plain_label})")
+    return [
+        Case(f"jaxquant {q}", group, 4 + packed_bits / 8 + extra_read,
+             jq_format_quantize(fmt), pq),
+        Case(pq, group, 4 + plain_bits / 8 + extra_read, plain_format_quantize(fmt)),
+        Case(f"jaxquant {dq}", group, 4 + packed_bits / 8, jq_format_dequantize(fmt), pdq),
+        Case(pdq, group, 4 + plain_bits / 8, plain_format_dequantize(fmt)),
+    ]
 
 
 def donated_fake_quant(inp: Inputs) -> Callable[[], object]:
@@ -342,6 +495,17 @@ def cases() -> list[Case]:
              lambda i: jax_call(plain_block_codes, i.x)),
         Case("qwix quantize (int4, tiled_axes={1: 128})", b4, 4.5,
              qwix_call(jnp.int4, tiled_axes={1: 128}), _pt("int8-stored int4 codes"), qwix),
+        Case("jaxquant int4 dequantize (packed)", b4, 4.5, jq_format_dequantize("int4"),
+             _pt("dequantize int8-stored int4 codes")),
+        Case(_pt("dequantize int8-stored int4 codes"), b4, 5, plain_format_dequantize("int4")),
+        # --- low-bit formats, scales computed from the data, blocks along the rows
+        *format_cases("nf4", "nf4 block-64", "nf4 packed=True", 4.5, 8.5, "uint8 codes"),
+        *format_cases("mxfp8_e4m3", "mxfp8_e4m3 block-32", "mxfp8_e4m3", 8.25, 8.25,
+                      "float8 codes"),
+        *format_cases("mxfp4", "mxfp4 block-32", "mxfp4 packed=True", 4.25, 8.25,
+                      "unpacked float4_e2m1fn codes"),
+        *format_cases("nvfp4", "nvfp4 block-16", "nvfp4 packed=True", 4.5, 8.5,
+                      "unpacked float4_e2m1fn codes", extra_read=4),
     ]
 
 

@@ -1,7 +1,8 @@
 """jaxquant: pure, jit-compiled quantization for JAX.
 
-`quantize` turns float arrays into `QTensor` records of integer or float8/4
-codes, bit for bit as ONNX QuantizeLinear; `dequantize` turns them back;
+`quantize` turns float arrays into `QTensor` records of integer, float8/6/4 or
+codebook (NF4) codes, bit for bit as ONNX QuantizeLinear, with float32,
+power-of-two (MX) or two-level (NVFP4, double quantization) scales; `dequantize` turns them back;
 `fake_quant` does both with straight-through gradients for training; and
 `quantize_tree` converts whole parameter pytrees by path rules; `qdot_general`
 runs dots on `QTensor` operands (int8 x int8 -> int32, weight-only int8/int4/fp8);
@@ -12,12 +13,14 @@ from jaxquant import calibration
 from jaxquant._checkpoint import load_orbax, load_safetensors, save_orbax, save_safetensors
 from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
 from jaxquant._fake_quant import fake_quant
-from jaxquant._formats import FORMATS, Format, get_format
+from jaxquant._formats import CODEBOOKS, FORMATS, Format, get_format
 from jaxquant._packing import PackedArray, pack, pack_bits, unpack, unpack_bits
 from jaxquant._qat_dot import QATDotGeneral, qat_dot_general
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize, quantize
 from jaxquant._report import LeafReport, format_report, quantization_report
+from jaxquant._scaled_matmul import scaled_matmul
+from jaxquant._schemes import SCHEMES, Scheme, format_name
 from jaxquant._tree import (
     QuantSpec,
     dequantize_tree,
@@ -30,7 +33,10 @@ from jaxquant._tree import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CODEBOOKS",
     "FORMATS",
+    "SCHEMES",
+    "Scheme",
     "ActQuant",
     "Format",
     "LeafReport",
@@ -43,6 +49,7 @@ __all__ = [
     "dequantize",
     "dequantize_tree",
     "fake_quant",
+    "format_name",
     "format_report",
     "get_format",
     "is_qtensor",
@@ -60,6 +67,7 @@ __all__ = [
     "quantize_tree",
     "save_orbax",
     "save_safetensors",
+    "scaled_matmul",
     "tree_nbytes",
     "unpack",
     "unpack_bits",

@@ -50,6 +50,7 @@ from jaxquant import _histogram
 from jaxquant._formats import get_format
 from jaxquant._granularity import group_reduce, layout_from_args
 from jaxquant._histogram import HistogramState, no_fma
+from jaxquant._progress import progress_bar
 from jaxquant._quantize import as_float_input
 from jaxquant._scales import scale_from_range
 
@@ -411,12 +412,7 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
       (2.0, 3)
     """
     if progress:
-        try:
-            from tqdm import tqdm
-        except ImportError:
-            pass
-        else:
-            batches = tqdm(batches, desc="calibrating", unit="batch")
+        batches = progress_bar(batches, desc="calibrating", unit="batch")
     for x in batches:
         if state is None:
             state = observer.init(x)

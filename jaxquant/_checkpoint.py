@@ -12,7 +12,9 @@ sharding through the save, and on load those whose target leaf has a sharding
 are restored straight onto it, the rest onto one device and then placed. Orbax
 refuses empty arrays: those are not stored (the header says what they were).
 safetensors and orbax are optional dependencies (``pip install 'jaxquant[io]'``,
-``'jaxquant[orbax]'``), imported only when used.
+``'jaxquant[orbax]'``), imported only when used. With ``progress=True`` every save and
+load shows a tqdm bar over the stored tensors on stderr (tqdm, from the ``io`` extra,
+is optional too: without it nothing is shown).
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import jax
 import numpy as np
 
 from jaxquant._packing import PackedArray
+from jaxquant._progress import progress_bar
+from jaxquant._qtensor import QTensor
 from jaxquant._serialization import (
     HEADER_KEY,
     ST_CODES,
@@ -39,8 +43,47 @@ from jaxquant._serialization import (
     storage,
     verify,
 )
+from jaxquant._tree import path_str
 
 __all__ = ["save_safetensors", "load_safetensors", "save_orbax", "load_orbax"]
+
+
+def _is_record(x) -> bool:
+    return isinstance(x, (QTensor, PackedArray))
+
+
+def _encode(tree: Any, *, to_host: bool, bar: Any = None) -> tuple[dict, dict[str, Any]]:
+    """`encode`, leaf by leaf when there is a progress ``bar`` to advance per tensor.
+
+    Each leaf is encoded under its own path (``encode({path: leaf})`` names its
+    tensors as ``encode(tree)`` does) and the headers are merged. Whatever the
+    merge cannot reproduce exactly (two leaves or tensors with the same name,
+    which ``encode`` rejects with its own message) falls back to ``encode(tree)``.
+    """
+    if bar is None:
+        return encode(tree, to_host=to_host)
+    header, tensors = encode({}, to_host=to_host)
+    fixed = {k: v for k, v in header.items() if k not in ("leaves", "tensors")}
+    for p, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_record)[0]:
+        path = path_str(p)
+        part, part_tensors = encode({path: leaf}, to_host=to_host)
+        if (path in header["leaves"] or any(k in tensors for k in part_tensors)
+                or {k: v for k, v in part.items() if k not in ("leaves", "tensors")} != fixed):
+            return encode(tree, to_host=to_host)
+        header["leaves"].update(part["leaves"])
+        header["tensors"].update(part["tensors"])
+        tensors.update(part_tensors)
+        bar.update(len(part_tensors))
+    return header, tensors
+
+
+def _save_bar(tree: Any, progress: bool):
+    """The bar of a save, over the tensors that `encode` stores: one per array, `PackedArray`
+    and QTensor field (qvalue, scale, zero point; those of a QTensor scale too)."""
+    if not progress:
+        return progress_bar(enabled=False)
+    total = len(jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PackedArray)))
+    return progress_bar(total=total, desc="saving", unit="tensor")
 
 
 # --- safetensors ----------------------------------------------------------------------
@@ -60,7 +103,7 @@ def _safetensors():
 
 
 def save_safetensors(path: str | os.PathLike, tree: Any, *,
-                     metadata: dict[str, str] | None = None) -> None:
+                     metadata: dict[str, str] | None = None, progress: bool = False) -> None:
     """Saves a tree of arrays and `QTensor` leaves to a safetensors file.
 
     Every leaf is stored under its ``/``-joined tree path; a `QTensor` as
@@ -75,6 +118,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
       tree: a pytree of arrays (jax or NumPy), `QTensor` and `PackedArray` leaves.
       metadata: extra ``str -> str`` entries for ``__metadata__`` (keys must not
         start with ``"jaxquant"``).
+      progress: show a ``tqdm`` progress bar over the tensors on stderr while
+        they are encoded and moved to host, then written, when tqdm is installed
+        (it is optional; without it nothing is shown). Default: silent.
 
     Raises:
       TypeError: a leaf that is not an array, or bad ``metadata``.
@@ -92,20 +138,22 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
       (QTensor(int4[4, 8], per-tensor, scale[], dtype=float32), dtype(bfloat16))
     """
     safetensors = _safetensors()
-    header, tensors = encode(tree, to_host=True)
-    meta = header_metadata(header, metadata)
-    path = os.fspath(path)
-    tmp = f"{path}.tmp{os.getpid()}"
-    try:
-        safetensors.numpy.save_file(tensors, tmp, metadata=meta)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    with _save_bar(tree, progress) as bar:
+        header, tensors = _encode(tree, to_host=True, bar=bar if progress else None)
+        meta = header_metadata(header, metadata)
+        path = os.fspath(path)
+        tmp = f"{path}.tmp{os.getpid()}"
+        bar.set_postfix_str("writing")
+        try:
+            safetensors.numpy.save_file(tensors, tmp, metadata=meta)
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.remove(tmp)
 
 
 def load_safetensors(path: str | os.PathLike, target: Any = None, *,
-                     allow_plain: bool = False) -> Any:
+                     allow_plain: bool = False, progress: bool = False) -> Any:
     """Loads a tree saved by `save_safetensors`, bit for bit.
 
     Args:
@@ -121,6 +169,9 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
       allow_plain: also load a safetensors file that jaxquant did not write (no
         ``jaxquant`` metadata at all): every tensor becomes an array leaf, with
         no checksums to verify.
+      progress: show a ``tqdm`` progress bar over the tensors on stderr while
+        they are verified, decoded and placed, when tqdm is installed (it is
+        optional; without it nothing is shown). Default: silent.
 
     Returns:
       The tree: jax arrays (NumPy for 64-bit dtypes while ``jax_enable_x64`` is
@@ -171,16 +222,18 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
     def get(key):
         v, spec = stored[key], header["tensors"][key]
         verify(where, key, spec, codes.get(v["dtype"], v["dtype"]), v["shape"], v["data"])
+        bar.update()
         return np.frombuffer(v["data"], storage(spec)[0]).reshape(storage(spec)[1])
 
-    return build(where, header, items, treedef, get)
+    with progress_bar(total=len(stored), enabled=progress, desc="loading", unit="tensor") as bar:
+        return build(where, header, items, treedef, get)
 
 
 # --- orbax ----------------------------------------------------------------------------
 
 
 def save_orbax(directory: str | os.PathLike, tree: Any, *,
-               metadata: dict[str, str] | None = None) -> None:
+               metadata: dict[str, str] | None = None, progress: bool = False) -> None:
     """Saves a tree of arrays and `QTensor` leaves as an orbax checkpoint.
 
     Args:
@@ -188,6 +241,9 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
       tree: a pytree of arrays (sharded or not), `QTensor` and `PackedArray` leaves.
       metadata: extra ``str -> str`` entries for the checkpoint's custom metadata
         (keys must not start with ``"jaxquant"``).
+      progress: show a ``tqdm`` progress bar over the tensors on stderr while
+        they are encoded and checksummed, then written, when tqdm is installed
+        (it is optional; without it nothing is shown). Default: silent.
 
     Raises:
       TypeError: a leaf that is not an array, or bad ``metadata``.
@@ -203,17 +259,20 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
     """
     import orbax.checkpoint as ocp
 
-    header, tensors = encode(tree, to_host=False)
-    meta = header_metadata(header, metadata)
-    # Orbax refuses empty arrays and empty trees: a tree without data stores one placeholder
-    # byte, which load_orbax (with nothing to restore) never reads.
-    stored = [x for x in tensors.values() if x.size] or [np.zeros(1, np.uint8)]
-    with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(os.path.abspath(directory), stored, custom_metadata=meta)
-        ckptr.wait_until_finished()
+    with _save_bar(tree, progress) as bar:
+        header, tensors = _encode(tree, to_host=False, bar=bar if progress else None)
+        meta = header_metadata(header, metadata)
+        # Orbax refuses empty arrays and empty trees: a tree without data stores one
+        # placeholder byte, which load_orbax (with nothing to restore) never reads.
+        stored = [x for x in tensors.values() if x.size] or [np.zeros(1, np.uint8)]
+        bar.set_postfix_str("writing")
+        with ocp.StandardCheckpointer() as ckptr:
+            ckptr.save(os.path.abspath(directory), stored, custom_metadata=meta)
+            ckptr.wait_until_finished()
 
 
-def load_orbax(directory: str | os.PathLike, target: Any = None) -> Any:
+def load_orbax(directory: str | os.PathLike, target: Any = None, *,
+               progress: bool = False) -> Any:
     """Loads a tree saved by `save_orbax`, bit for bit.
 
     Args:
@@ -221,6 +280,10 @@ def load_orbax(directory: str | os.PathLike, target: Any = None) -> Any:
       target: as for `load_safetensors`: ``None`` (nested dicts from the paths)
         or a tree of arrays, `jax.ShapeDtypeStruct` (with shardings), `QTensor`
         or `PackedArray` leaves that the checkpoint must match.
+      progress: show a ``tqdm`` progress bar over the tensors on stderr while
+        they are verified, decoded and placed (after orbax has restored them),
+        when tqdm is installed (it is optional; without it nothing is shown).
+        Default: silent.
 
     Returns:
       The tree, its leaves placed on ``target``'s shardings.
@@ -263,6 +326,8 @@ def load_orbax(directory: str | os.PathLike, target: Any = None) -> Any:
         dtype, shape = storage(specs[key])
         x = restored[key] if key in restored else np.zeros(shape, dtype)
         verify(where, key, specs[key], x.dtype.name, x.shape, x)
+        bar.update()
         return x
 
-    return build(where, header, items, treedef, get)
+    with progress_bar(total=len(specs), enabled=progress, desc="loading", unit="tensor") as bar:
+        return build(where, header, items, treedef, get)

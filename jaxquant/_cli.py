@@ -6,7 +6,8 @@ one jaxquant wrote), quantizes its tensors by rules, writes a jaxquant
 safetensors file and prints the per-tensor report. ``jaxquant report IN [OUT]``
 prints the report of a file alone (formats, bytes) or of IN against its
 quantized OUT (SQNR, largest error). ``jaxquant demo`` trains, quantizes and
-runs a small model.
+runs a small model. ``quantize`` and ``demo`` show progress bars on stderr (when
+tqdm is installed); ``--quiet`` turns them off.
 
 Rules, one ``--rules`` argument each, tried in order (the first whose REGEX
 `re.search` finds in a tensor's name wins; unmatched tensors are kept)::
@@ -15,15 +16,23 @@ Rules, one ``--rules`` argument each, tried in order (the first whose REGEX
     SPEC   := "none" | FORMAT (":" OPTION)*
     FORMAT := int2 | uint2 | int4 | uint4 | int8 | uint8 | int16 | uint16 | int32
               | float8_e4m3fn | float8_e5m2 | float4_e2m1fn
+              | nf4 | fp4 | float6_e2m3fn | float6_e3m2fn           (codebooks)
+              | mxfp8_e4m3 | mxfp8_e5m2 | mxfp6_e2m3 | mxfp6_e3m2
+              | mxfp4 | mxint8 | nvfp4                              (composites)
     OPTION := "axis=" INT | "axis=none"  (default -1: one scale per last-axis entry)
               | "block=" INT             (blocks of INT along axis)
+              | "tile=" INT "x" INT ...  (scales over tiles, one length per axis)
               | "packed"                 (2- and 4-bit codes two or four per byte)
               | "asym"                   (asymmetric: min/max with a zero point)
               | "nosaturate"             (float formats: no clipping to the largest value)
+              | "dq"                     (double quantization of the scales)
+              | "scale=" DTYPE           (float32, bfloat16, float16, float8_e8m0fnu, ...)
+              | "round=" MODE            (e8m0 scales: floor, ceil or up_on_overflow)
 
 Examples: ``int8``, ``int8:axis=0``, ``int4:block=32:packed``, ``float8_e4m3fn``,
-``none``. Without ``--rules``, every floating tensor of rank >= 2 becomes int8
-with one scale per last-axis entry (`jaxquant.quantize_tree`'s default).
+``nf4:packed:dq``, ``mxfp4:packed:round=ceil``, ``int8:tile=128x128``, ``none``.
+Without ``--rules``, every floating tensor of rank >= 2 becomes int8 with one
+scale per last-axis entry (`jaxquant.quantize_tree`'s default).
 PyTorch checkpoints store ``Linear`` weights as ``(out, in)``: ``axis=0`` gives
 one scale per output channel.
 """
@@ -36,7 +45,8 @@ import re
 import sys
 from typing import Any
 
-from jaxquant._formats import FORMATS
+from jaxquant._formats import CODEBOOKS, FORMATS
+from jaxquant._schemes import SCHEMES
 from jaxquant._tree import QuantSpec
 
 __all__ = ["main", "parse_spec", "parse_rule"]
@@ -63,18 +73,21 @@ def parse_spec(text: str) -> QuantSpec | None:
     Example:
       >>> parse_spec("int4:axis=0:block=32:packed")
       QuantSpec(dtype=dtype(int4), axis=0, block_size=32, symmetric=True, saturate=True,
-                packed=True)
+                packed=True, scale_dtype=None, scale_rounding='floor', double_quant=False)
+      >>> parse_spec("nf4:packed:dq").double_quant
+      True
       >>> parse_spec("int8:sym")  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
-      ValueError: unknown option 'sym' in 'int8:sym'; expected axis=INT, axis=none, block=INT, ...
+      ValueError: unknown option 'sym' in 'int8:sym'; expected axis=INT, axis=none, ...
     """
     name, *options = text.strip().split(":")
     if name == "none" and not options:
         return None
-    if name not in FORMATS:
+    names = [*FORMATS, *CODEBOOKS, *SCHEMES]
+    if name not in names:
         raise ValueError(f"unknown format {name!r} in {text!r}; expected none or one of "
-                         f"{', '.join(FORMATS)}.")
+                         f"{', '.join(dict.fromkeys(names))}.")
     kw: dict[str, Any] = {"dtype": name}
     for opt in options:
         key, _, value = opt.partition("=")
@@ -82,12 +95,22 @@ def parse_spec(text: str) -> QuantSpec | None:
             kw["axis"] = None if value == "none" else _int(value, opt, text)
         elif key == "block" and value:
             kw["block_size"] = _int(value, opt, text)
+        elif key == "tile" and value:
+            kw["block_size"] = tuple(_int(v, opt, text) for v in value.split("x"))
+            kw["axis"] = None
+        elif key == "scale" and value:
+            kw["scale_dtype"] = value
+        elif key == "round" and value:
+            kw["scale_rounding"] = value
+        elif opt == "dq":
+            kw["double_quant"] = True
         elif opt in ("packed", "asym", "nosaturate"):
             kw[{"packed": "packed", "asym": "symmetric", "nosaturate": "saturate"}[opt]] = \
                 opt == "packed"
         else:
             raise ValueError(f"unknown option {opt!r} in {text!r}; expected axis=INT, axis=none, "
-                             f"block=INT, packed, asym or nosaturate.")
+                             f"block=INT, tile=INTxINT, packed, asym, nosaturate, dq, "
+                             f"scale=DTYPE or round=MODE.")
     try:
         return QuantSpec(**kw)
     except (TypeError, ValueError) as e:
@@ -151,33 +174,11 @@ def _load(path: str):
         raise _Fail(str(e).splitlines()[0]) from None
 
 
-def _progress(total: int, quiet: bool):
-    """A tqdm bar over tensors (on stderr), or a stand-in when quiet or tqdm is missing."""
-    if not quiet:
-        try:
-            from tqdm import tqdm
-
-            return tqdm(total=total, unit="tensor", desc="quantize", file=sys.stderr)
-        except ImportError:  # pragma: no cover - tqdm comes with the io extra
-            pass
-
-    class Silent:
-        def update(self, n=1):
-            pass
-
-        def set_postfix_str(self, s):
-            pass
-
-        def close(self):
-            pass
-
-    return Silent()
-
-
 def _quantize(args) -> int:
     import jax
 
     from jaxquant._checkpoint import save_safetensors
+    from jaxquant._progress import progress_bar
     from jaxquant._qtensor import is_qtensor
     from jaxquant._report import format_report, quantization_report
     from jaxquant._tree import match_rules, path_str, unused_rules
@@ -194,7 +195,8 @@ def _quantize(args) -> int:
         print(f"jaxquant: warning: rule {rule[0]!r} matches no tensor", file=sys.stderr)
     specs = match_rules(tree, rules)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qtensor)
-    bar = _progress(sum(s is not None for s in specs.values()), args.quiet)
+    bar = progress_bar(total=sum(s is not None for s in specs.values()), enabled=not args.quiet,
+                       desc="quantize", unit="tensor")
     out = []
     for path, leaf in leaves:
         spec = specs[path_str(path)]
@@ -206,7 +208,7 @@ def _quantize(args) -> int:
     bar.close()
     qtree = jax.tree_util.tree_unflatten(treedef, out)
     try:
-        save_safetensors(args.output, qtree)
+        save_safetensors(args.output, qtree, progress=not args.quiet)
     except Exception as e:  # OSError, or safetensors' own error type
         raise _Fail(f"{args.output}: cannot write: {str(e).splitlines()[0]}") from None
     print(format_report(quantization_report(tree, qtree)))
@@ -253,20 +255,21 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("--rules", nargs="+", metavar="REGEX=SPEC", action="extend",
                    help="rules, first match wins (SPEC: none, int8, int8:axis=0, "
                         "int4:block=32:packed, float8_e4m3fn, ...; see above)")
-    q.add_argument("--quiet", action="store_true", help="no progress bar")
+    q.add_argument("--quiet", action="store_true", help="no progress bars")
     r = sub.add_parser("report", help="per-tensor table of a file, or of IN against OUT")
     r.add_argument("input", metavar="IN", help="a safetensors file (the float one, with OUT)")
     r.add_argument("output", metavar="OUT", nargs="?", help="its quantized version")
     demo = sub.add_parser("demo", help="train a small model on real text, quantize it to "
                                        "every format, run it quantized, print a table")
     demo.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
+    demo.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
     if args.command == "demo":
         if args.steps < 1:
             parser.error(f"--steps must be a positive integer, got {args.steps}")
         from jaxquant._demo import run
 
-        run(steps=args.steps)
+        run(steps=args.steps, progress=not args.quiet)
         return 0
     try:
         return (_quantize if args.command == "quantize" else _report)(args)

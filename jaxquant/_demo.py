@@ -9,7 +9,9 @@ the whole tree (compiled), and the validation loss and next-byte accuracy of
 the jitted model run on the quantized parameters: every dense layer is a
 `jaxquant.qdot_general` (weight-only: the codes are dequantized inside the
 same program; "W8A8": int8 x int8 -> int32 with activations quantized on the
-fly). The per-leaf report of one quantized tree follows the table.
+fly). The per-leaf report of one quantized tree follows the table. With
+``progress`` (the command line's default; ``jaxquant demo --quiet`` turns it
+off) tqdm bars on stderr follow the training steps and the formats.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
+from jaxquant._progress import progress_bar
 from jaxquant._report import format_report, quantization_report
 
 CONTEXT = 16
@@ -111,8 +114,12 @@ def batches(data: np.ndarray, batch: int, seed: int):
         yield jnp.asarray(win, jnp.int32), jnp.asarray(data[start + CONTEXT], jnp.int32)
 
 
-def train(train_data: np.ndarray, steps: int, seed: int = 0) -> dict:
-    """SGD with Nesterov momentum; returns the trained parameters."""
+def train(train_data: np.ndarray, steps: int, seed: int = 0, progress: bool = False) -> dict:
+    """SGD with Nesterov momentum; returns the trained parameters.
+
+    With ``progress``, a bar over the steps on stderr, advanced every 50 steps once
+    they have run (not merely been dispatched).
+    """
     params = init_params(jax.random.key(seed))
     velocity = jax.tree.map(jnp.zeros_like, params)
 
@@ -124,9 +131,15 @@ def train(train_data: np.ndarray, steps: int, seed: int = 0) -> dict:
         return params, velocity
 
     data = batches(train_data, 256, seed)
-    for i in range(steps):
-        lr = jnp.float32(0.05 * min(1.0, 2 * (1 - i / steps)))
-        params, velocity = step(params, velocity, next(data), lr)
+    with progress_bar(total=steps, enabled=progress, desc="training", unit="step") as bar:
+        done = 0
+        for i in range(steps):
+            lr = jnp.float32(0.05 * min(1.0, 2 * (1 - i / steps)))
+            params, velocity = step(params, velocity, next(data), lr)
+            if progress and (i + 1 - done >= 50 or i + 1 == steps):
+                jax.block_until_ready(params)
+                bar.update(i + 1 - done)
+                done = i + 1
     return params
 
 
@@ -170,13 +183,18 @@ CONFIGS: list[tuple[str, str, jq.QuantSpec | None]] = [
 ]
 
 
-def run(steps: int = 1500, print_fn: Callable[[str], None] = print) -> list[dict]:
-    """Trains, quantizes and evaluates; prints the table and returns its rows."""
+def run(steps: int = 1500, print_fn: Callable[[str], None] = print,
+        progress: bool = False) -> list[dict]:
+    """Trains, quantizes and evaluates; prints the table and returns its rows.
+
+    ``progress``: tqdm bars on stderr over the training steps and over the formats
+    (when tqdm is installed); what ``print_fn`` gets is the same either way.
+    """
     t0 = time.perf_counter()
     train_data, val_data = load_corpus()
     print_fn(f"jaxquant {jq.__version__} on {jax.devices()[0].platform}: corpus = Python "
              f"stdlib sources, {len(train_data):,} train / {len(val_data):,} validation bytes")
-    params = train(train_data, steps)
+    params = train(train_data, steps, progress=progress)
     print_fn(f"trained a byte-level MLP ({jq.tree_nbytes(params):,} bytes of float32 "
              f"parameters) for {steps} steps in {time.perf_counter() - t0:.1f} s")
     val = [next(batches(val_data, 4096, seed=1)) for _ in range(2)]
@@ -186,21 +204,23 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print) -> list[dict
         return jnp.mean(jnp.stack([jnp.stack(_metrics(p, b, act_quant)) for b in val]), axis=0)
 
     rows, reports = [], {}
-    for fmt, gran, spec in CONFIGS:
-        rules = None if spec is None else [("embed|kernel", spec)]
-        if spec is None:
-            qparams, seconds = params, math.nan
-        else:
-            convert = jax.jit(lambda p, rules=rules: jq.quantize_tree(p, rules))
-            qparams = convert(params)
-            seconds = median_time(lambda convert=convert: convert(params))
-        snr, worst = sqnr_db(params, jq.dequantize_tree(qparams))
-        loss, acc = (float(v) for v in evaluate(qparams, jq.ActQuant() if "W8A8" in fmt
-                                                 else None))
-        rows.append(dict(format=fmt, granularity=gran, bytes=jq.tree_nbytes(qparams),
-                         sqnr_db=snr, max_error=worst, quantize_ms=1e3 * seconds,
-                         val_bits_per_byte=loss, val_accuracy=acc))
-        reports[fmt, gran] = qparams
+    with progress_bar(CONFIGS, enabled=progress, desc="quantizing", unit="format") as bar:
+        for fmt, gran, spec in bar:
+            bar.set_postfix_str(f"{fmt}, {gran}")
+            rules = None if spec is None else [("embed|kernel", spec)]
+            if spec is None:
+                qparams, seconds = params, math.nan
+            else:
+                convert = jax.jit(lambda p, rules=rules: jq.quantize_tree(p, rules))
+                qparams = convert(params)
+                seconds = median_time(lambda convert=convert: convert(params))
+            snr, worst = sqnr_db(params, jq.dequantize_tree(qparams))
+            loss, acc = (float(v) for v in evaluate(qparams, jq.ActQuant() if "W8A8" in fmt
+                                                     else None))
+            rows.append(dict(format=fmt, granularity=gran, bytes=jq.tree_nbytes(qparams),
+                             sqnr_db=snr, max_error=worst, quantize_ms=1e3 * seconds,
+                             val_bits_per_byte=loss, val_accuracy=acc))
+            reports[fmt, gran] = qparams
     print_fn(format_table(rows))
     print_fn("time ms: compiled quantize_tree of the whole tree (median of 5); dense layers "
              "run as jq.qdot_general: weight-only, or int8 x int8 -> int32 (W8A8)")

@@ -33,7 +33,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxquant._formats import get_format
 from jaxquant._granularity import expand, normalize_axis
 from jaxquant._packing import PackedArray, sign_extend, unpack_fields
-from jaxquant._qtensor import QTensor, is_qtensor
+from jaxquant._qtensor import QTensor, is_qtensor, scale_values
 from jaxquant._rounding import divide, round_to_codes
 from jaxquant._scales import scale_from_range
 from jaxquant._weight_only import weight_only_dot
@@ -133,6 +133,9 @@ def _check_int_operand(qt: QTensor, contract: tuple, name: str) -> None:
     if not fmt.is_integer or fmt.bits > 8:
         raise ValueError(f"the int8 x int8 path needs {name} codes of an integer format of at "
                          f"most 8 bits, got {fmt.name}; {alt}")
+    if layout.kind == "tile":
+        raise ValueError(f"the int8 x int8 path does not take tiled scales ({name} has tiles "
+                         f"{layout.block_size}); {alt}")
     if layout.kind == "axis" and layout.axis in contract:
         raise ValueError(
             f"the int8 x int8 path needs {name}'s scale to be constant along the contracting "
@@ -181,7 +184,7 @@ def _int_operand(op, contract: tuple, act_quant: ActQuant):
         zp = like_scale(zp.astype(jnp.int32) - jnp.int32(offset))
     elif offset:
         zp = jnp.full((1,) * n, -offset, jnp.int32)
-    return q, like_scale(op.scale.astype(jnp.float32)), zp
+    return q, like_scale(scale_values(op)), zp
 
 
 def _to_blocks(v: jax.Array, k: int, block: int) -> jax.Array:

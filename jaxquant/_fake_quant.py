@@ -20,8 +20,18 @@ One module-level `jax.custom_vjp` carries both estimators:
   pass. ``lsq_grad_scale=True`` multiplies both by ``1 / sqrt(N * qmax)``, the
   gradient scale of the LSQ paper (``N`` elements per scale).
 
-Float formats (float8, float4) use the same rules with ``qmin/qmax`` the
-largest finite magnitude and no zero point.
+Float formats (float8, float4) and codebook formats (NF4, FP4, float6) use
+the same rules with ``qmin/qmax`` the largest finite magnitude (the table's
+largest entry) and no zero point. Named composite formats (MX, NVFP4) and
+stored scale dtypes (``float8_e8m0fnu`` powers of two, two-level float8
+scales, ``double_quant``) give the value of `jaxquant.quantize` with the same
+arguments, with the scale a constant (computed mode). With ``key`` the codes
+are rounded stochastically; the STE is unchanged.
+
+For QAT with power-of-two (MX) scales prefer ``scale_rounding="ceil"``: with
+OCP's ``"floor"`` the largest value of a block usually lies beyond the element
+maximum, the clipped STE gives it no gradient, and training stalls
+(``tests/test_lowbit_integration.py`` shows it on a least-squares fit).
 """
 
 from __future__ import annotations
@@ -34,19 +44,21 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._formats import get_format
+from jaxquant._codebooks import code_values
+from jaxquant._formats import Format
 from jaxquant._granularity import Layout, expand, group_reduce, layout_from_args, layout_from_scale
-from jaxquant._qtensor import check_zero_point, zero_point_like_scale
-from jaxquant._quantize import as_float_input
+from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
+from jaxquant._quantize import _check_key, as_float_input, computed_scale, scale_values_of
 from jaxquant._rounding import divide, round_to_codes
-from jaxquant._scales import compute_scale
+from jaxquant._scale_formats import scale_options
+from jaxquant._schemes import resolve
 
 __all__ = ["fake_quant"]
 
 
 @dataclasses.dataclass(frozen=True)
 class _Config:
-    dtype: np.dtype
+    fmt: Format
     layout: Layout
     saturate: bool
     grad_scale: bool
@@ -57,12 +69,16 @@ def fake_quant(
     scale: ArrayLike | None = None,
     zero_point: ArrayLike | None = None,
     *,
-    dtype: DTypeLike = jnp.int8,
+    dtype: DTypeLike | str = jnp.int8,
     axis: int | None = None,
-    block_size: int | None = None,
+    block_size: int | tuple[int, ...] | None = None,
     symmetric: bool = True,
     saturate: bool = True,
     lsq_grad_scale: bool = False,
+    scale_dtype: DTypeLike | None = None,
+    scale_rounding: str = "floor",
+    double_quant: bool = False,
+    key: jax.Array | None = None,
 ) -> jax.Array:
     """``dequantize(quantize(x, ...))`` in ``x``'s dtype, with STE/LSQ gradients.
 
@@ -74,17 +90,22 @@ def fake_quant(
 
     Args:
       x: float array.
-      scale: ``None`` (computed mode) or float scales in an ONNX layout.
+      scale: ``None`` (computed mode), float scales in an ONNX layout, or a
+        `QTensor` of scales (a constant).
       zero_point: ``None``, zero points of the code dtype, or float zero
         points (learnable; rounded in the forward pass). Integer formats only
         for non-zero values.
-      dtype: the format.
+      dtype: the format: a dtype, a codebook name or a scheme name (``"mxfp4"``...).
       axis: the quantized axis.
-      block_size: block length along ``axis``.
+      block_size: block length along ``axis``, or a tuple of tile lengths.
       symmetric: computed mode only, as in `quantize`.
       saturate: float formats only, as in `quantize`.
       lsq_grad_scale: multiply the scale and zero-point gradients by
         ``1 / sqrt(N * qmax)`` (LSQ's gradient scale).
+      scale_dtype: computed mode: how the scale is stored, as in `quantize`.
+      scale_rounding: for ``float8_e8m0fnu`` scales, as in `quantize`.
+      double_quant: computed mode: float8 scales of the scales, as in `quantize`.
+      key: a PRNG key for stochastic rounding, as in `quantize`.
 
     Returns:
       An array of ``x``'s shape and dtype.
@@ -100,17 +121,22 @@ def fake_quant(
       >>> jax.grad(lambda x: fake_quant(x, jnp.float32(0.5), dtype=jnp.int4).sum())(x)
       Array([1., 1., 0.], dtype=float32)
     """
-    fmt = get_format(dtype)
+    r = resolve(dtype, axis, block_size, scale_dtype, explicit=scale is not None)
+    fmt, axis, block_size = r.fmt, r.axis, r.block_size
     x = as_float_input(x)
+    key = _check_key(key)
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; pass both, or neither.")
         if not symmetric and not fmt.is_integer:
             raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "
                              f"zero point.")
+        options = scale_options(r.scale_dtype, scale_rounding, double_quant, bool(symmetric))
         layout = layout_from_args(x.shape, axis, block_size)
-        scale, zero_point = compute_scale(x, fmt, layout, bool(symmetric))
+        _, scale, zero_point = computed_scale(x, fmt, layout, bool(symmetric), options)
     else:
+        if isinstance(scale, QTensor):
+            scale = jax.lax.stop_gradient(scale_values_of(scale))
         scale = jnp.asarray(scale)
         if not jnp.issubdtype(scale.dtype, jnp.floating):
             raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
@@ -122,40 +148,43 @@ def fake_quant(
             check_zero_point(zero_point, fmt)
             zero_point = jax.lax.stop_gradient(zero_point)
         zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
-    config = _Config(fmt.dtype, layout, bool(saturate), bool(lsq_grad_scale))
-    out = _fake_quant(x, scale.astype(jnp.float32), zero_point, config)
-    return out
+    config = _Config(fmt, layout, bool(saturate), bool(lsq_grad_scale))
+    noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+    return _fake_quant(x, scale.astype(jnp.float32), zero_point, noise, config)
 
 
-def _codes(x, scale, zero_point, config: _Config):
-    """(unclipped float codes, clipped float codes, rounded zero point or None)."""
-    fmt = get_format(config.dtype)
+def _codes(x, scale, zero_point, noise, config: _Config):
+    """(unclipped float codes, clipped float codes, rounded zero point or None, scale)."""
+    fmt = config.fmt
     s = expand(scale, x.shape, config.layout)
     t = divide(x.astype(jnp.float32), s)
+    if fmt.is_codebook:
+        return t, code_values(t, fmt, noise), None, s
     if not fmt.is_integer:
-        return t, round_to_codes(t, None, fmt, config.saturate).astype(jnp.float32), None, s
+        q = round_to_codes(t, None, fmt, config.saturate, noise=noise).astype(jnp.float32)
+        return t, q, None, s
     zp = None
-    r = jnp.round(t)
+    r = jnp.round(t) if noise is None else jnp.floor(t + noise)
     if zero_point is not None:
         zp = expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x.shape, config.layout)
         r = r + zp
     return r, jnp.clip(r, fmt.qmin, fmt.qmax), zp, s
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fake_quant(x, scale, zero_point, config: _Config):
-    _, q, zp, s = _codes(x, scale, zero_point, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _fake_quant(x, scale, zero_point, noise, config: _Config):
+    _, q, zp, s = _codes(x, scale, zero_point, noise, config)
     return ((q if zp is None else q - zp) * s).astype(x.dtype)
 
 
-def _fake_quant_fwd(x, scale, zero_point, config):
-    return _fake_quant(x, scale, zero_point, config), (x, scale, zero_point)
+def _fake_quant_fwd(x, scale, zero_point, noise, config):
+    return _fake_quant(x, scale, zero_point, noise, config), (x, scale, zero_point, noise)
 
 
 def _fake_quant_bwd(config: _Config, residuals, g):
-    x, scale, zero_point = residuals
-    fmt = get_format(config.dtype)
-    raw, q, zp, s = _codes(x, scale, zero_point, config)
+    x, scale, zero_point, noise = residuals
+    fmt = config.fmt
+    raw, q, zp, s = _codes(x, scale, zero_point, noise, config)
     g = g.astype(jnp.float32)
     lo, hi = (fmt.qmin, fmt.qmax) if (fmt.is_integer or config.saturate) else (-np.inf, np.inf)
     inside = (raw >= lo) & (raw <= hi)
@@ -174,7 +203,7 @@ def _fake_quant_bwd(config: _Config, residuals, g):
         return (group_reduce(v, config.layout, jnp.sum) * factor).reshape(scale.shape)
 
     dzp = None if zero_point is None else to_scale(jnp.where(inside, 0.0, -g * s))
-    return dx, to_scale(dscale), dzp
+    return dx, to_scale(dscale), dzp, None
 
 
 _fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)

@@ -1,8 +1,18 @@
 """The table of quantized formats: one record per code dtype.
 
-A format is named by its JAX dtype (``jnp.int8``, ``jnp.float8_e4m3fn``, ...).
-This module is the single owner of what each format can represent: its bit
-width, whether its codes are integers or floats, and its range.
+A format is named by its JAX dtype (``jnp.int8``, ``jnp.float8_e4m3fn``, ...),
+or, for codebook formats, by name (``"nf4"``, ``"fp4"``, ``"float6_e2m3fn"``,
+``"float6_e3m2fn"``): codes are unsigned indices (uint4, or uint8 holding 6
+bits) into a table of values. This module is the single owner of what each
+format can represent: its bit width, its kind of codes, its range and, for
+codebooks, its table.
+
+Sources of the tables: NF4 and FP4 are bitsandbytes' (``get_4bit_type`` in
+``bitsandbytes/functional.py``, the NF4 values of the QLoRA paper,
+arXiv:2305.14314, Appendix E; FP4 is bitsandbytes' E2M1 with bias 3 in its own
+code order, normalized by 12). The float6 tables are the OCP Microscaling
+(MX) v1.0 element formats E2M3 and E3M2, read from ml_dtypes by bit pattern;
+XLA has no float6 arrays, so their codes are held as uint8 bit patterns.
 """
 
 from __future__ import annotations
@@ -15,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from jax.typing import DTypeLike
 
-__all__ = ["Format", "FORMATS", "get_format"]
+__all__ = ["Format", "FORMATS", "CODEBOOKS", "get_format"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +39,13 @@ class Format:
       qmin: smallest code value (for floats, ``-max_finite``).
       qmax: largest code value (for floats, ``max_finite``).
       max_finite: largest finite magnitude that a code can hold.
+      values: codebooks only: the value of each code index, as published
+        (decoding rounds them to float32; midpoints are taken before that).
+      sign_magnitude: codebooks only: the top code bit is the sign (FP4, float6).
+      ties: codebooks only: a value exactly halfway between two codes goes
+        ``"down"`` (bitsandbytes' ``x > threshold``; toward zero in magnitude
+        for sign-magnitude tables) or to the ``"even"`` code (IEEE, float6).
+      label: the format's name when it is not its dtype's (codebooks).
 
     Example:
       >>> get_format(jnp.int4)
@@ -37,15 +54,24 @@ class Format:
 
     dtype: np.dtype = dataclasses.field(repr=False)
     bits: int
-    kind: Literal["int", "float"]
+    kind: Literal["int", "float", "codebook"]
     qmin: float
     qmax: float
     max_finite: float
+    values: tuple[float, ...] | None = dataclasses.field(default=None, repr=False)
+    sign_magnitude: bool = dataclasses.field(default=False, repr=False)
+    ties: Literal["down", "even"] = dataclasses.field(default="even", repr=False)
+    label: str | None = dataclasses.field(default=None, repr=False)
 
     @property
     def name(self) -> str:
-        """The dtype's name, for example ``"int4"``."""
-        return self.dtype.name
+        """The format's name, for example ``"int4"`` or ``"nf4"``."""
+        return self.label or self.dtype.name
+
+    @property
+    def is_codebook(self) -> bool:
+        """True for table formats (NF4, FP4, float6): codes are indices."""
+        return self.kind == "codebook"
 
     @property
     def is_integer(self) -> bool:
@@ -79,6 +105,37 @@ def _float_format(dt) -> Format:
     return Format(dt, int(info.bits), "float", -m, m, m)
 
 
+def _codebook(name: str, values, bits: int, sign_magnitude: bool, ties: str) -> Format:
+    # Kept as published (float64): midpoints are taken before rounding to float32.
+    values = tuple(float(v) for v in np.asarray(values, np.float64))
+    m = max(abs(v) for v in values)
+    return Format(np.dtype(jnp.uint4 if bits == 4 else jnp.uint8), bits, "codebook", -m, m, m,
+                  values, sign_magnitude, ties, name)
+
+
+_NF4 = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+        -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+        0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+        0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0)
+_FP4 = np.array([0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0,
+                 -0.0, -0.0625, -8.0, -12.0, -4.0, -6.0, -2.0, -3.0]) / 12.0
+
+
+def _float6(dt) -> np.ndarray:
+    return np.arange(64, dtype=np.uint8).view(dt).astype(np.float32)
+
+
+CODEBOOKS: dict[str, Format] = {
+    f.name: f
+    for f in (
+        _codebook("nf4", _NF4, 4, False, "down"),
+        _codebook("fp4", _FP4, 4, True, "down"),
+        _codebook("float6_e2m3fn", _float6(ml_dtypes.float6_e2m3fn), 6, True, "even"),
+        _codebook("float6_e3m2fn", _float6(ml_dtypes.float6_e3m2fn), 6, True, "even"),
+    )
+}
+"""Codebook formats, by name: codes are indices into ``Format.values``."""
+
 FORMATS: dict[str, Format] = {
     f.name: f
     for f in (
@@ -94,7 +151,8 @@ def get_format(dtype: DTypeLike, *, argname: str = "dtype") -> Format:
     """Returns the `Format` record of a code dtype.
 
     Args:
-      dtype: a dtype from `FORMATS` (``jnp.int8``, ``"int4"``, ``jnp.float8_e5m2``...).
+      dtype: a dtype from `FORMATS` (``jnp.int8``, ``"int4"``, ``jnp.float8_e5m2``...)
+        or a codebook name from `CODEBOOKS` (``"nf4"``...).
       argname: the argument name to cite in error messages.
 
     Returns:
@@ -107,12 +165,15 @@ def get_format(dtype: DTypeLike, *, argname: str = "dtype") -> Format:
       >>> get_format("float8_e4m3fn").max_finite
       448.0
     """
+    if isinstance(dtype, str) and dtype in CODEBOOKS:
+        return CODEBOOKS[dtype]
     try:
         name = np.dtype(dtype).name
     except TypeError:
         name = None
     if name not in FORMATS:
         raise TypeError(
-            f"{argname} must be one of the quantized formats {sorted(FORMATS)}, got {dtype!r}."
+            f"{argname} must be one of the quantized formats {sorted(FORMATS)} or codebooks "
+            f"{sorted(CODEBOOKS)}, got {dtype!r}."
         )
     return FORMATS[name]

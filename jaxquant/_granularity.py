@@ -1,13 +1,18 @@
 """Granularity: which elements share a scale, in ONNX's layouts.
 
-Three layouts, told apart by the shape of ``scale`` (explicit mode) or by
+Four layouts, told apart by the shape of ``scale`` (explicit mode) or by
 ``axis``/``block_size`` (computed mode):
 
 * per-tensor: one scale for the whole array (``scale.size == 1``);
 * per-axis: ``scale.shape == (x.shape[axis],)``;
 * blocked: ``scale`` has ``x``'s rank, with ``ceil(x.shape[axis] / block_size)``
   entries along ``axis`` (the last block may be partial) and ``x``'s size
-  elsewhere.
+  elsewhere;
+* tiled (beyond ONNX): ``block_size`` is a tuple with one block length per
+  axis of ``x`` (for example ``(128, 128)`` tiles of a weight matrix, as
+  TensorRT block shapes and qwix/AQT tiling), ``axis`` is ``None``, and
+  ``scale.shape[i] == ceil(x.shape[i] / block_size[i])`` (partial tiles at the
+  edges).
 
 This module validates those layouts, broadcasts a scale back to ``x``'s shape
 and reduces ``x`` over each group of elements that share a scale.
@@ -33,14 +38,14 @@ class Layout:
     """A resolved granularity.
 
     Attributes:
-      kind: ``"tensor"``, ``"axis"`` or ``"block"``.
-      axis: the non-negative axis (``None`` for per-tensor).
-      block_size: the block length (only for ``"block"``).
+      kind: ``"tensor"``, ``"axis"``, ``"block"`` or ``"tile"``.
+      axis: the non-negative axis (``None`` for per-tensor and tiles).
+      block_size: the block length (``"block"``), or one per axis (``"tile"``).
     """
 
-    kind: Literal["tensor", "axis", "block"]
+    kind: Literal["tensor", "axis", "block", "tile"]
     axis: int | None = None
-    block_size: int | None = None
+    block_size: int | tuple[int, ...] | None = None
 
     def scale_shape(self, shape: tuple[int, ...]) -> tuple[int, ...]:
         """The shape of the scale of an array of ``shape`` in this layout."""
@@ -48,6 +53,8 @@ class Layout:
             return ()
         if self.kind == "axis":
             return (shape[self.axis],)
+        if self.kind == "tile":
+            return tuple(-(-n // b) for n, b in zip(shape, self.block_size, strict=True))
         s = list(shape)
         s[self.axis] = -(-shape[self.axis] // self.block_size)
         return tuple(s)
@@ -71,13 +78,28 @@ def _check_block_size(block_size) -> None:
         raise ValueError(f"block_size must be a positive integer, got {block_size}.")
 
 
-def layout_from_args(shape: tuple[int, ...], axis: int | None, block_size: int | None) -> Layout:
+def _tile_layout(shape: tuple[int, ...], axis, block_size: tuple) -> Layout:
+    if axis is not None:
+        raise ValueError(f"a tuple block_size gives a tile along every axis, so axis must be "
+                         f"None; got axis={axis!r}.")
+    if len(block_size) != len(shape):
+        raise ValueError(f"block_size must have one tile length per axis of the input, "
+                         f"{len(shape)} for shape {tuple(shape)}; got {block_size!r}.")
+    for b in block_size:
+        _check_block_size(b)
+    return Layout("tile", None, tuple(int(b) for b in block_size))
+
+
+def layout_from_args(shape: tuple[int, ...], axis: int | None,
+                     block_size: int | tuple[int, ...] | None) -> Layout:
     """The layout that ``axis``/``block_size`` describe (computed mode).
 
     Raises:
-      ValueError: ``axis`` out of range, ``block_size <= 0``, or ``block_size``
-        without ``axis``.
+      ValueError: ``axis`` out of range, ``block_size <= 0``, ``block_size``
+        without ``axis``, or a tuple ``block_size`` whose length is not the rank.
     """
+    if isinstance(block_size, tuple | list):
+        return _tile_layout(shape, axis, tuple(block_size))
     if block_size is not None:
         _check_block_size(block_size)
         if axis is None:
@@ -107,6 +129,14 @@ def layout_from_scale(
     Raises:
       ValueError: if the scale's shape fits no layout, naming the expected shape.
     """
+    if isinstance(block_size, tuple | list):
+        layout = _tile_layout(shape, axis, tuple(block_size))
+        expected = layout.scale_shape(shape)
+        if tuple(scale_shape) != expected:
+            raise ValueError(
+                f"{argname} must have shape {expected} for tiles {tuple(block_size)} of an input "
+                f"of shape {tuple(shape)}; got {tuple(scale_shape)}.")
+        return layout
     if block_size:
         layout = layout_from_args(shape, axis, block_size)
         expected = layout.scale_shape(shape)
@@ -151,6 +181,12 @@ def expand(v: jax.Array, shape: tuple[int, ...], layout: Layout) -> jax.Array:
         dims = [1] * len(shape)
         dims[layout.axis] = shape[layout.axis]
         return jnp.reshape(v, dims)
+    if layout.kind == "tile":
+        tiles = layout.block_size
+        v = jnp.reshape(v, _interleave(v.shape, (1,) * v.ndim))
+        v = jnp.broadcast_to(v, _interleave(v.shape[::2], tiles))
+        v = v.reshape(tuple(n * b for n, b in zip(v.shape[::2], tiles, strict=True)))
+        return _crop(v, shape)
     a, n, bs = layout.axis, shape[layout.axis], layout.block_size
     nb = v.shape[a]
     # Broadcast along a new axis after `a`, then merge: XLA fuses this into the consumer.
@@ -159,6 +195,23 @@ def expand(v: jax.Array, shape: tuple[int, ...], layout: Layout) -> jax.Array:
     full[a + 1] = bs
     v = jnp.broadcast_to(v, full).reshape(shape[:a] + (nb * bs,) + shape[a + 1:])
     return lax.slice_in_dim(v, 0, n, axis=a) if nb * bs != n else v
+
+
+def _interleave(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(d for pair in zip(a, b, strict=True) for d in pair)
+
+
+def _crop(v: jax.Array, shape: tuple[int, ...]) -> jax.Array:
+    return v if tuple(v.shape) == tuple(shape) else v[tuple(slice(0, n) for n in shape)]
+
+
+def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array:
+    """``x`` viewed as ``(n0, b0, n1, b1, ...)``, padding partial tiles at the edges."""
+    counts = layout.scale_shape(x.shape)
+    pad = [(0, n * b - d) for n, b, d in zip(counts, layout.block_size, x.shape, strict=True)]
+    if any(p for _, p in pad):
+        x = jnp.pad(x, pad, constant_values=jnp.asarray(pad_value, x.dtype))
+    return x.reshape(_interleave(counts, layout.block_size))
 
 
 def _to_blocks(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array:
@@ -199,6 +252,12 @@ def apply_grouped(
     Returns:
       ``fn``'s result, of ``x``'s shape.
     """
+    if layout.kind == "tile":
+        views = (None if g is None else g.reshape(_interleave(g.shape, (1,) * g.ndim))
+                 for g in groupwise)
+        y = fn(_to_tiles(x, layout), *views)
+        padded = tuple(y.shape[i] * y.shape[i + 1] for i in range(0, y.ndim, 2))
+        return _crop(y.reshape(padded), x.shape)
     if layout.kind != "block":
         return fn(x, *(None if g is None else expand(g, x.shape, layout) for g in groupwise))
     views = (None if g is None else jnp.expand_dims(g, layout.axis + 1) for g in groupwise)
@@ -229,5 +288,7 @@ def group_reduce(
     a = layout.axis
     if layout.kind == "axis":
         return reducer(x, axis=tuple(i for i in range(x.ndim) if i != a))
+    if layout.kind == "tile":
+        return reducer(_to_tiles(x, layout, pad_value), axis=tuple(range(1, 2 * x.ndim, 2)))
     x = _to_blocks(x, layout, pad_value)
     return reducer(x, axis=(a + 1,))

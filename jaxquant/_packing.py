@@ -1,11 +1,15 @@
-"""Sub-byte packing: int4/uint4/float4_e2m1fn two per byte, int2/uint2 four per byte.
+"""Sub-byte packing: int4/uint4/float4_e2m1fn two per byte, int2/uint2 four per byte,
+6-bit codes (float6) four per three bytes.
 
 The layout is ONNX's: along the packed axis, consecutive codes share a byte,
 the first in the lowest bits (``byte = c0 | c1 << 4`` for 4-bit codes,
 ``c0 | c1 << 2 | c2 << 4 | c3 << 6`` for 2-bit codes). A partial last byte is
-padded with zero bits. ONNX packs the flattened tensor, which is this layout
-along the last axis of a 1-D view; `pack` can pack along any axis so that a
-weight matrix keeps its rows (for sharding and for unpacking inside a dot).
+padded with zero bits. 6-bit codes continue the same little-endian bit stream
+across bytes: four codes fill three bytes (``c0 | c1 << 6 | c2 << 12 | c3 <<
+18``), a partial last group is padded with zero codes. ONNX packs the
+flattened tensor, which is this layout along the last axis of a 1-D view;
+`pack` can pack along any axis so that a weight matrix keeps its rows (for
+sharding and for unpacking inside a dot).
 
 `PackedArray` is the storage record. It stands in for a code array inside a
 `QTensor`: its ``dtype`` is the format and its ``shape`` the logical shape, so
@@ -26,7 +30,7 @@ from jaxquant._formats import get_format
 from jaxquant._granularity import normalize_axis
 
 __all__ = ["PackedArray", "pack", "unpack", "pack_bits", "unpack_bits", "pack_fields",
-           "unpack_fields", "sign_extend"]
+           "unpack_fields", "sign_extend", "packed_length"]
 
 _UNSIGNED = {2: jnp.uint2, 4: jnp.uint4}
 
@@ -47,6 +51,43 @@ def _shifts(bits: int, ndim: int, axis: int) -> jax.Array:
     return jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape(shape)
 
 
+def packed_length(n: int, bits: int) -> int:
+    """Bytes along the packed axis for ``n`` codes of ``bits`` bits (2, 4 or 6)."""
+    return 3 * -(-n // 4) if bits == 6 else -(-n * bits // 8)
+
+
+def _groups(u: jax.Array, axis: int, size: int) -> jax.Array:
+    """``u`` zero-padded along ``axis`` to a multiple of ``size``, split as ``(m, size)``."""
+    n = u.shape[axis]
+    m = -(-n // size)
+    if m * size != n:
+        pad = [(0, 0)] * u.ndim
+        pad[axis] = (0, m * size - n)
+        u = jnp.pad(u, pad)
+    return u.reshape(u.shape[:axis] + (m, size) + u.shape[axis + 1:])
+
+
+def _pack6(u: jax.Array, axis: int) -> jax.Array:
+    g = _groups(u, axis, 4)
+    c = [lax.index_in_dim(g, i, axis + 1, keepdims=False) for i in range(4)]
+    b = [c[0] | (c[1] << 6), (c[1] >> 2) | (c[2] << 4), (c[2] >> 4) | (c[3] << 2)]
+    out = jnp.stack(b, axis=axis + 1)
+    return out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2:])
+
+
+def _unpack6(packed: jax.Array, length: int, axis: int) -> jax.Array:
+    m = packed.shape[axis]
+    if m % 3 or not (m // 3 - 1) * 4 < length <= m // 3 * 4:
+        raise ValueError(f"length {length} does not fit {m} bytes of 6-bit codes along axis "
+                         f"{axis} (three bytes per four codes).")
+    b = [lax.index_in_dim(_groups(packed, axis, 3), i, axis + 1, keepdims=False)
+         for i in range(3)]
+    c = [b[0] & 63, (b[0] >> 6) | ((b[1] & 15) << 2), (b[1] >> 4) | ((b[2] & 3) << 4), b[2] >> 2]
+    out = jnp.stack(c, axis=axis + 1)
+    out = out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2:])
+    return lax.slice_in_dim(out, 0, length, axis=axis)
+
+
 def pack_fields(u: jax.Array, bits: int, axis: int) -> jax.Array:
     """Packs uint8 bit fields ``u`` (each ``< 2**bits``) along a non-negative ``axis``.
 
@@ -54,6 +95,8 @@ def pack_fields(u: jax.Array, bits: int, axis: int) -> jax.Array:
     materializing a sub-byte array (``astype(jnp.int4)`` is several times
     slower on XLA:CPU than the same maths in bytes).
     """
+    if bits == 6:
+        return _pack6(u, axis)
     per = 8 // bits
     n = u.shape[axis]
     m = -(-n // per)
@@ -68,6 +111,8 @@ def pack_fields(u: jax.Array, bits: int, axis: int) -> jax.Array:
 
 def unpack_fields(packed: jax.Array, bits: int, length: int, axis: int) -> jax.Array:
     """Inverse of `pack_fields`: uint8 bit fields, ``length`` of them along ``axis``."""
+    if bits == 6:
+        return _unpack6(packed, length, axis)
     per = 8 // bits
     m = packed.shape[axis]
     if not (m - 1) * per < length <= m * per:
@@ -146,14 +191,16 @@ class PackedArray:
     """Sub-byte codes stored packed in uint8, standing in for the code array.
 
     Invariants: ``data.dtype == uint8``; ``data.shape`` equals ``shape`` except
-    ``ceil(shape[axis] * bits / 8)`` along ``axis``; ``unpack()`` returns codes
-    of ``dtype`` and ``shape`` bit for bit.
+    ``packed_length(shape[axis], bits)`` along ``axis``; ``unpack()`` returns
+    codes of ``dtype`` and ``shape`` bit for bit.
 
     Attributes:
       data: the packed bytes (the only array child).
       dtype: the code format (static).
       shape: the logical, unpacked shape (static).
       axis: the packed axis, non-negative (static).
+      bits: the code width when ``dtype`` does not say it (6-bit codes held
+        as uint8: float6); ``None`` otherwise (static).
 
     Example:
       >>> p = pack(jnp.array([[1, -2, 3]], jnp.int4))
@@ -165,6 +212,7 @@ class PackedArray:
     dtype: np.dtype = dataclasses.field(metadata=dict(static=True))
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     axis: int = dataclasses.field(metadata=dict(static=True))
+    bits: int | None = dataclasses.field(default=None, metadata=dict(static=True))
 
     @property
     def ndim(self) -> int:
@@ -183,12 +231,14 @@ class PackedArray:
 
     def unpack(self) -> jax.Array:
         """The codes as an array of ``dtype`` and ``shape``."""
+        if self.bits:
+            return unpack_fields(self.data, self.bits, self.shape[self.axis], self.axis)
         return unpack_bits(self.data, self.dtype, self.shape[self.axis], self.axis)
 
     def unpack_float32(self) -> jax.Array:
         """The codes' values as float32, without a sub-byte intermediate for integer formats."""
         fmt = get_format(self.dtype)
-        if not fmt.is_integer:
+        if not fmt.is_integer or self.bits:
             return self.unpack().astype(jnp.float32)
         u = unpack_fields(self.data, fmt.bits, self.shape[self.axis], self.axis)
         return (sign_extend(u, fmt.bits) if fmt.signed else u).astype(jnp.float32)
@@ -209,7 +259,8 @@ def pack(x, axis: int = -1):
       as ``qvalue`` (``dequantize`` unpacks it).
 
     Raises:
-      TypeError: for formats wider than 4 bits.
+      TypeError: for formats wider than 4 bits (6-bit float6 QTensors are packed
+        four codes per three bytes).
 
     Example:
       >>> import jaxquant as jq
@@ -220,6 +271,11 @@ def pack(x, axis: int = -1):
     if isinstance(x, PackedArray):
         return x
     if hasattr(x, "qvalue"):  # a QTensor
+        if x.format.bits == 6 and not isinstance(x.qvalue, PackedArray):  # float6 codebooks
+            a = normalize_axis(axis, x.ndim)
+            data = pack_fields(x.qvalue, 6, a)
+            return dataclasses.replace(x, qvalue=PackedArray(data, np.dtype(x.qvalue.dtype),
+                                                             tuple(x.shape), a, 6))
         return dataclasses.replace(x, qvalue=pack(x.qvalue, axis))
     axis = normalize_axis(axis, x.ndim)
     return PackedArray(pack_bits(x, axis), np.dtype(x.dtype), tuple(x.shape), axis)

@@ -14,7 +14,7 @@ from jaxquant._formats import Format, get_format
 from jaxquant._granularity import Layout, expand, layout_from_scale
 from jaxquant._packing import PackedArray
 
-__all__ = ["QTensor", "is_qtensor", "check_zero_point", "zero_point_like_scale"]
+__all__ = ["QTensor", "is_qtensor", "check_zero_point", "zero_point_like_scale", "scale_values"]
 
 
 def _is_arraylike(v) -> bool:
@@ -82,7 +82,16 @@ class QTensor:
     * ``scale`` (and ``zero_point``, of the same shape) follow ONNX's layouts:
       one element (per-tensor; ``axis`` is then ``None``), ``(shape[axis],)``
       (per-axis), or ``shape`` with ``ceil(shape[axis] / block_size)`` along
-      ``axis`` (blocked);
+      ``axis`` (blocked); or, with a tuple ``block_size`` (one tile length per
+      axis, ``axis=None``), ``ceil(shape[i] / block_size[i])`` along every axis;
+    * ``scale`` is a float array of any float dtype (float32, bfloat16,
+      ``float8_e8m0fnu`` powers of two for MX formats...) or itself a
+      `QTensor` of float scales (two-level scales: NVFP4's float8 block scales
+      with a float32 tensor scale, double quantization);
+    * ``codebook`` names a codebook format (``"nf4"``, ``"fp4"``,
+      ``"float6_e2m3fn"``...): ``qvalue`` then holds unsigned code indices
+      (uint4, or uint8 for 6-bit codes) and the value of a code is its table
+      entry;
     * ``zero_point`` is ``None`` or has the code dtype (all zeros for floats);
     * ``axis`` is stored non-negative; ``axis``, ``block_size`` and ``dtype``
       are static (hashable, part of the ``jit`` cache key);
@@ -96,15 +105,18 @@ class QTensor:
 
     Args:
       qvalue: codes of a format from `jaxquant.FORMATS`, or a `PackedArray`.
-      scale: float scales in one of the layouts above.
+      scale: float scales in one of the layouts above, or a `QTensor` of them.
       zero_point: ``None`` or zero points of the code dtype, shaped as ``scale``.
       axis: the quantized axis (per-axis or blocked); may be negative.
-      block_size: the block length along ``axis`` (blocked only).
+      block_size: the block length along ``axis`` (blocked), or a tuple of
+        tile lengths, one per axis.
       dtype: the float dtype that `dequantize` returns by default.
+      codebook: ``None``, or the name of a codebook format in
+        `jaxquant.CODEBOOKS` whose indices ``qvalue`` holds.
 
     Raises:
       TypeError: codes not of a quantized format, non-float scale, mismatched
-        zero-point dtype, non-float ``dtype``.
+        zero-point dtype, non-float ``dtype``, codebook codes of the wrong dtype.
       ValueError: a scale or zero point whose shape fits no layout.
 
     Example:
@@ -118,8 +130,9 @@ class QTensor:
     scale: jax.Array
     zero_point: jax.Array | None
     axis: int | None
-    block_size: int | None
+    block_size: int | tuple[int, ...] | None
     dtype: np.dtype
+    codebook: str | None
 
     def __init__(
         self,
@@ -128,15 +141,25 @@ class QTensor:
         zero_point=None,
         *,
         axis: int | None = None,
-        block_size: int | None = None,
+        block_size: int | tuple[int, ...] | None = None,
         dtype: DTypeLike = jnp.float32,
+        codebook: str | None = None,
     ):
         if not (_is_arraylike(qvalue) and _is_arraylike(scale)):
             raise TypeError(
                 f"qvalue and scale must be arrays, got {type(qvalue).__name__} and "
                 f"{type(scale).__name__}."
             )
-        fmt = get_format(qvalue.dtype, argname="qvalue.dtype")
+        if codebook is None:
+            fmt = get_format(qvalue.dtype, argname="qvalue.dtype")
+        else:
+            fmt = get_format(codebook, argname="codebook")
+            if not fmt.is_codebook or np.dtype(qvalue.dtype) != fmt.dtype:
+                raise TypeError(
+                    f"codebook must name a codebook format whose codes are {fmt.dtype.name} "
+                    f"indices; got codebook={codebook!r} with qvalue.dtype {qvalue.dtype}.")
+            if zero_point is not None:
+                raise ValueError(f"codebook format {codebook} takes no zero_point.")
         if not jnp.issubdtype(scale.dtype, jnp.floating):
             raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
         dtype = np.dtype(dtype)
@@ -152,17 +175,20 @@ class QTensor:
         for name, value in (
             ("qvalue", qvalue), ("scale", scale), ("zero_point", zero_point),
             ("axis", layout.axis), ("block_size", layout.block_size), ("dtype", dtype),
+            ("codebook", codebook),
         ):
             object.__setattr__(self, name, value)
 
     @property
     def format(self) -> Format:
         """The `Format` record of the codes."""
-        return get_format(self.qvalue.dtype)
+        return get_format(self.codebook or self.qvalue.dtype)
 
     @property
     def layout(self) -> Layout:
-        """The granularity: per-tensor, per-axis or blocked."""
+        """The granularity: per-tensor, per-axis, blocked or tiled."""
+        if isinstance(self.block_size, tuple):
+            return Layout("tile", None, self.block_size)
         if self.block_size:
             return Layout("block", self.axis, self.block_size)
         return Layout("tensor") if self.axis is None else Layout("axis", self.axis)
@@ -201,6 +227,11 @@ class QTensor:
         extra = 0 if self.zero_point is None else _nbytes(self.zero_point)
         return codes + _nbytes(self.scale) + extra
 
+    @property
+    def bits_per_element(self) -> float:
+        """``8 * nbytes / size``: storage bits per value, scales included (MXFP4: 4.25)."""
+        return 8 * self.nbytes / max(self.size, 1)
+
     def dequantize(self, dtype: DTypeLike | None = None) -> jax.Array:
         """``(qvalue - zero_point) * scale`` in float32, returned as ``dtype``.
 
@@ -226,31 +257,48 @@ class QTensor:
     def __repr__(self) -> str:
         zp = "" if self.zero_point is None else ", zero_point"
         gran = {"tensor": "per-tensor", "axis": f"axis={self.axis}",
-                "block": f"axis={self.axis}, block_size={self.block_size}"}[self.layout.kind]
+                "block": f"axis={self.axis}, block_size={self.block_size}",
+                "tile": f"tiles={self.block_size}"}[self.layout.kind]
+        sdt = "" if np.dtype(self.scale.dtype) == np.float32 or is_qtensor(self.scale) \
+            else f" {self.scale.dtype}"
+        scale = repr(self.scale) if is_qtensor(self.scale) else \
+            f"scale{list(self.scale.shape)}{sdt}"
         return (
             f"QTensor({self.format.name}{'(packed)' if self.packed else ''}{list(self.shape)}, "
-            f"{gran}, scale{list(self.scale.shape)}{zp}, dtype={self.dtype.name})"
+            f"{gran}, {scale}{zp}, dtype={self.dtype.name})"
         )
 
 
 def _nbytes(a) -> int:
+    if isinstance(a, QTensor):
+        return a.nbytes
     return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+
+
+def scale_values(qt: QTensor) -> jax.Array:
+    """``qt``'s scales as float32 values (a two-level scale is dequantized)."""
+    s = qt.scale
+    if isinstance(s, QTensor):
+        from jaxquant._quantize import dequantize_values
+
+        return dequantize_values(s)
+    return s.astype(jnp.float32)
 
 
 def _flatten_with_keys(qt: QTensor):
     keys = ("qvalue", "scale", "zero_point")
     children = tuple((jax.tree_util.GetAttrKey(k), getattr(qt, k)) for k in keys)
-    return children, (qt.axis, qt.block_size, qt.dtype)
+    return children, (qt.axis, qt.block_size, qt.dtype, qt.codebook)
 
 
 def _flatten(qt: QTensor):
-    return (qt.qvalue, qt.scale, qt.zero_point), (qt.axis, qt.block_size, qt.dtype)
+    return (qt.qvalue, qt.scale, qt.zero_point), (qt.axis, qt.block_size, qt.dtype, qt.codebook)
 
 
 def _unflatten(aux, children) -> QTensor:
     qt = object.__new__(QTensor)
-    for name, value in zip(("qvalue", "scale", "zero_point", "axis", "block_size", "dtype"),
-                           (*children, *aux), strict=True):
+    for name, value in zip(("qvalue", "scale", "zero_point", "axis", "block_size", "dtype",
+                            "codebook"), (*children, *aux), strict=True):
         object.__setattr__(qt, name, value)
     return qt
 

@@ -17,12 +17,21 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._formats import Format, get_format
-from jaxquant._granularity import Layout, apply_grouped, layout_from_args, layout_from_scale
+from jaxquant._codebooks import decode
+from jaxquant._formats import Format
+from jaxquant._granularity import (
+    Layout,
+    apply_grouped,
+    group_reduce,
+    layout_from_args,
+    layout_from_scale,
+)
 from jaxquant._packing import PackedArray, pack_bits, pack_fields
 from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
 from jaxquant._rounding import NAN_CODES, divide, round_to_codes
+from jaxquant._scale_formats import ScaleOptions, scale_options, store_scale
 from jaxquant._scales import compute_scale
+from jaxquant._schemes import resolve
 
 __all__ = ["quantize", "dequantize"]
 
@@ -42,6 +51,8 @@ def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
 
 
 def _as_scale(scale: ArrayLike, argname: str = "scale") -> jax.Array:
+    if isinstance(scale, QTensor):
+        return scale
     scale = jnp.asarray(scale)
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise TypeError(f"{argname} must be a float array, got dtype {scale.dtype}.")
@@ -50,75 +61,110 @@ def _as_scale(scale: ArrayLike, argname: str = "scale") -> jax.Array:
 
 def quantize(
     x: ArrayLike,
-    scale: ArrayLike | None = None,
+    scale: ArrayLike | QTensor | None = None,
     zero_point: ArrayLike | None = None,
     *,
-    dtype: DTypeLike = jnp.int8,
+    dtype: DTypeLike | str = jnp.int8,
     axis: int | None = None,
-    block_size: int | None = None,
+    block_size: int | tuple[int, ...] | None = None,
     symmetric: bool = True,
     saturate: bool = True,
     packed: bool = False,
+    scale_dtype: DTypeLike | None = None,
+    scale_rounding: str = "floor",
+    double_quant: bool = False,
+    key: jax.Array | None = None,
 ) -> QTensor:
     """Quantizes ``x`` to codes of ``dtype``, bit for bit as ONNX QuantizeLinear.
 
     Integer formats: ``q = clip(rint(x / scale) + zero_point, qmin, qmax)`` with
     the correctly rounded float32 quotient and round-half-to-even. Float
     formats: ``q = cast(x / scale)`` rounding to nearest even; ``saturate``
-    clips to the largest finite value first (NaN stays NaN).
+    clips to the largest finite value first (NaN stays NaN). Codebook formats
+    (``"nf4"``, ``"fp4"``, ``"float6_e2m3fn"``, ``"float6_e3m2fn"``): the index
+    of the nearest table entry (`jaxquant.CODEBOOKS`).
 
     Explicit mode (``scale`` given): the layout of ``scale`` picks the
     granularity: one element (per-tensor), 1-D of length ``x.shape[axis]``
     (per-axis), or ``x``'s rank with ``ceil(x.shape[axis] / block_size)``
-    along ``axis`` (blocked, last block may be partial). ``zero_point`` has the
-    layout of ``scale`` and the code dtype.
+    along ``axis`` (blocked, last block may be partial), or with a tuple
+    ``block_size`` ``ceil(x.shape[i] / block_size[i])`` along every axis
+    (tiles). ``zero_point`` has the layout of ``scale`` and the code dtype.
+    ``scale`` may be of any float dtype, or a `QTensor` of scales.
 
     Computed mode (``scale=None``): per-tensor (``axis=None``), per-axis
-    (``axis``: the axis whose entries get their own scale) or blocked
-    (``axis`` split into blocks of ``block_size``). Symmetric: ``absmax / qmax``
+    (``axis``: the axis whose entries get their own scale), blocked (``axis``
+    split into blocks of ``block_size``) or tiled (``block_size`` a tuple, one
+    tile length per axis, ``axis=None``). Symmetric: ``absmax / qmax``
     (0.0 maps to 0.0 exactly; unsigned formats get the mid-range zero point);
     asymmetric: the range ``[min(x, 0), max(x, 0)]`` onto ``[qmin, qmax]``;
-    float formats: ``absmax / max_finite``. All-zero groups get scale 1.
+    float and codebook formats: ``absmax / max_finite``. All-zero groups get
+    scale 1. ``scale_dtype``/``double_quant`` choose how the scale is stored
+    (see `jaxquant._scale_formats`): ``float8_e8m0fnu`` powers of two rounded
+    by ``scale_rounding``, or a two-level `QTensor` of float8 scales.
+
+    Named composite formats (``dtype="mxfp4"``, ``"mxfp8_e4m3"``,
+    ``"mxfp8_e5m2"``, ``"mxfp6_e2m3"``, ``"mxfp6_e3m2"``, ``"mxint8"``,
+    ``"nvfp4"``, ``"nf4"``, ``"fp4"``: `jaxquant.SCHEMES`) fill in the element
+    format, ``block_size``, ``scale_dtype`` and ``axis=-1`` when not given.
 
     Args:
       x: float array (any float dtype; the maths is float32).
-      scale: ``None`` (computed mode) or float scales.
+      scale: ``None`` (computed mode), float scales, or a `QTensor` of scales.
       zero_point: ``None`` or zero points of ``dtype`` (all zeros for floats).
       dtype: the format: int2, uint2, int4, uint4, int8, uint8, int16, uint16,
-        int32, float8_e4m3fn, float8_e5m2 or float4_e2m1fn.
+        int32, float8_e4m3fn, float8_e5m2, float4_e2m1fn, a codebook name or a
+        scheme name.
       axis: the quantized axis, may be negative.
-      block_size: the block length along ``axis``.
+      block_size: the block length along ``axis``, or a tuple of tile lengths.
       symmetric: computed mode only: symmetric scales, or asymmetric with a
         zero point (integer formats).
       saturate: float formats only: clip to the largest finite value instead
-        of producing NaN/inf (integer codes always saturate).
-      packed: 2- and 4-bit formats: store the codes packed along the last axis
-        (a `PackedArray`, as `jaxquant.pack` makes), computed without a
-        sub-byte intermediate, the fastest path on CPU.
+        of producing NaN/inf (integer and codebook codes always saturate).
+      packed: 2-, 4- and 6-bit formats: store the codes packed along the last
+        axis (a `PackedArray`, as `jaxquant.pack` makes; float6 four codes per
+        three bytes), computed without a sub-byte intermediate, the fastest
+        path on CPU.
+      scale_dtype: computed mode: the stored scale dtype (float32, bfloat16,
+        float16, float8_e8m0fnu, or float8_e4m3fn/float8_e5m2 for two levels).
+      scale_rounding: for ``float8_e8m0fnu`` scales: ``"floor"`` (OCP MX),
+        ``"ceil"`` (never clips) or ``"up_on_overflow"``.
+      double_quant: computed mode: quantize the float32 scales themselves to
+        float8 with a float32 scale per 256 of them (bitsandbytes' nested
+        quantization).
+      key: a PRNG key: round stochastically (unbiased: ``E[dequantize] = x``
+        inside the range) instead of to nearest.
 
     Returns:
       A `QTensor` whose ``dtype`` is ``x``'s dtype.
 
     Raises:
-      TypeError: non-float ``x`` or ``scale``, unknown format, zero point of
-        another dtype.
+      TypeError: non-float ``x`` or ``scale``, unknown format or scale dtype,
+        zero point of another dtype.
       ValueError: scale/zero-point shape fits no layout, ``axis`` out of range,
-        ``packed`` for a format wider than 4 bits or a scalar ``x``,
-        ``block_size <= 0``, non-zero zero point of a float format,
-        asymmetric float formats, ``zero_point`` without ``scale``.
+        ``packed`` for an 8-bit or wider format or a scalar ``x``,
+        ``block_size <= 0``, a tile tuple of the wrong length, a block length
+        that contradicts a named format, non-zero zero point of a float
+        format, asymmetric float formats, ``zero_point`` without ``scale``.
 
     Example:
       >>> import jax.numpy as jnp
       >>> qt = quantize(jnp.array([0.0, 0.25, 0.5, -1.0]), jnp.float32(0.5))
       >>> qt.qvalue  # 0.25 / 0.5 = 0.5 is a tie: rounds to even
       Array([ 0,  0,  1, -2], dtype=int8)
+      >>> quantize(jnp.ones((4, 64)), dtype="mxfp4").bits_per_element
+      4.25
     """
-    fmt = get_format(dtype)
+    r = resolve(dtype, axis, block_size, scale_dtype, explicit=scale is not None)
+    fmt, axis, block_size = r.fmt, r.axis, r.block_size
     x = as_float_input(x)
     packed = bool(packed)
-    if packed and (fmt.bits > 4 or x.ndim == 0):
-        raise ValueError(f"packed=True needs a 2- or 4-bit format and an input of rank >= 1, "
+    if packed and (fmt.bits not in (2, 4, 6) or x.ndim == 0):
+        raise ValueError(f"packed=True needs a 2-, 4- or 6-bit format and an input of rank >= 1, "
                          f"got {fmt.name} and rank {x.ndim}.")
+    key = _check_key(key)
+    if (not fmt.is_integer) and zero_point is not None and fmt.is_codebook:
+        raise ValueError(f"codebook format {fmt.name} takes no zero_point.")
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; pass both, or neither "
@@ -126,33 +172,50 @@ def quantize(
         if not symmetric and not fmt.is_integer:
             raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "
                              f"zero point.")
+        options = scale_options(r.scale_dtype, scale_rounding, double_quant, bool(symmetric))
         layout = layout_from_args(x.shape, axis, block_size)
-        return _quantize_computed(x, fmt.dtype, layout, bool(symmetric), bool(saturate), packed)
+        return _quantize_computed(x, fmt, layout, bool(symmetric), bool(saturate), packed,
+                                  options, key)
+    if r.scale_dtype is not None and scale_dtype is not None or double_quant:
+        raise ValueError("scale_dtype and double_quant apply to computed scales; an explicit "
+                         "scale is stored as given.")
     scale = _as_scale(scale)
     layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
     if zero_point is not None:
         zero_point = jnp.asarray(zero_point)
         zero_point = zero_point_like_scale(zero_point, scale)
         check_zero_point(zero_point, fmt)
-    return _quantize_explicit(x, scale, zero_point, fmt.dtype, layout, bool(saturate), packed)
+    return _quantize_explicit(x, scale, zero_point, fmt, layout, bool(saturate), packed, key)
+
+
+def _check_key(key):
+    if key is None:
+        return None
+    if not (hasattr(key, "dtype") and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
+                                       or (key.dtype == jnp.uint32 and key.shape == (2,)))):
+        raise TypeError(f"key must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
+                        f"{getattr(key, 'dtype', type(key).__name__)}.")
+    return key
 
 
 def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: bool = True,
-                   wide: bool = False):
-    """Codes of ``x`` for scale-shaped ``scale``/``zero_point`` (no checks; traceable).
+                   wide: bool = False, key: jax.Array | None = None):
+    """Codes of ``x`` for scale-shaped float32 ``scale``/``zero_point`` (no checks; traceable).
 
-    ``wide=True`` returns sub-byte integer codes as int8 (same values).
+    ``wide=True`` returns sub-byte integer codes as int8 (same values), and
+    codebook codes as uint8. ``key`` draws the noise of stochastic rounding.
     """
     def codes(x, s, zp):
-        return round_to_codes(divide(x.astype(jnp.float32), s), zp, fmt, saturate, wide)
+        noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+        return round_to_codes(divide(x.astype(jnp.float32), s), zp, fmt, saturate, wide, noise)
 
     return apply_grouped(codes, x, layout, scale.astype(jnp.float32), zero_point)
 
 
-def _record(x, scale, zero_point, fmt: Format, layout: Layout, saturate: bool,
-            packed: bool) -> QTensor:
-    wide = packed and fmt.is_integer
-    codes = quantize_codes(x, scale, zero_point, fmt, layout, saturate, wide)
+def _record(x, stored_scale, divisor, zero_point, fmt: Format, layout: Layout, saturate: bool,
+            packed: bool, key) -> QTensor:
+    wide = packed and fmt.kind != "float"
+    codes = quantize_codes(x, divisor, zero_point, fmt, layout, saturate, wide, key)
     if packed:
         axis = x.ndim - 1
         if wide:
@@ -160,21 +223,50 @@ def _record(x, scale, zero_point, fmt: Format, layout: Layout, saturate: bool,
             data = pack_fields(u, fmt.bits, axis)
         else:
             data = pack_bits(codes, axis)
-        codes = PackedArray(data, fmt.dtype, x.shape, axis)
-    return QTensor(codes, scale, zero_point, axis=layout.axis, block_size=layout.block_size,
-                   dtype=x.dtype)
+        codes = PackedArray(data, fmt.dtype, x.shape, axis, 6 if fmt.bits == 6 else None)
+    return QTensor(codes, stored_scale, zero_point, axis=layout.axis, block_size=layout.block_size,
+                   dtype=x.dtype, codebook=fmt.label)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "layout", "saturate", "packed"))
-def _quantize_explicit(x, scale, zero_point, dtype, layout, saturate, packed):
-    return _record(x, scale, zero_point, get_format(dtype), layout, saturate, packed)
+@functools.partial(jax.jit, static_argnames=("fmt", "layout", "saturate", "packed"))
+def _quantize_explicit(x, scale, zero_point, fmt, layout, saturate, packed, key):
+    divisor = scale_values_of(scale)
+    return _record(x, scale, divisor, zero_point, fmt, layout, saturate, packed, key)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "layout", "symmetric", "saturate", "packed"))
-def _quantize_computed(x, dtype, layout, symmetric, saturate, packed):
-    fmt = get_format(dtype)
+def scale_values_of(scale) -> jax.Array:
+    """float32 values of a scale array or of a `QTensor` of scales."""
+    return dequantize_values(scale) if isinstance(scale, QTensor) else scale.astype(jnp.float32)
+
+
+def computed_scale(x: jax.Array, fmt: Format, layout: Layout, symmetric: bool,
+                   options: ScaleOptions):
+    """(stored scale, its float32 values, zero point) chosen from ``x`` (traceable)."""
     scale, zero_point = compute_scale(x, fmt, layout, symmetric)
-    return _record(x, scale, zero_point, fmt, layout, saturate, packed)
+    if options.plain:
+        return scale, scale, zero_point
+    xs = jax.lax.stop_gradient(x.astype(jnp.float32))
+    amax = jnp.maximum(-group_reduce(xs, layout, jnp.min), group_reduce(xs, layout, jnp.max))
+    stored, values = store_scale(scale, amax, fmt, options)
+    return stored, values, zero_point
+
+
+@functools.partial(jax.jit, static_argnames=("fmt", "layout", "symmetric", "saturate", "packed",
+                                             "options"))
+def _quantize_computed(x, fmt, layout, symmetric, saturate, packed, options, key):
+    stored, divisor, zero_point = computed_scale(x, fmt, layout, symmetric, options)
+    return _record(x, stored, divisor, zero_point, fmt, layout, saturate, packed, key)
+
+
+def quantize_computed_values(x: jax.Array, fmt: Format, axis, block_size):
+    """(`QTensor` of ``x`` with float32 scales computed per group, its float32 values).
+
+    Used for the second level of two-level scales (traceable, no checks).
+    """
+    layout = layout_from_args(x.shape, axis, block_size)
+    qt = _record(x, *computed_scale(x, fmt, layout, True, ScaleOptions())[:2], None, fmt, layout,
+                 True, False, None)
+    return qt, dequantize_values(qt)
 
 
 def dequantize(qt: QTensor, dtype: DTypeLike | None = None) -> jax.Array:
@@ -205,16 +297,23 @@ def dequantize(qt: QTensor, dtype: DTypeLike | None = None) -> jax.Array:
     return _dequantize(qt, dtype)
 
 
+def code_values(qt: QTensor) -> jax.Array:
+    """float32 values of ``qt``'s codes, before zero point and scale (no checks; traceable)."""
+    codes, fmt = qt.qvalue, qt.format
+    if fmt.is_codebook:
+        return decode(codes.unpack() if isinstance(codes, PackedArray) else codes, fmt)
+    return codes.unpack_float32() if isinstance(codes, PackedArray) else codes.astype(jnp.float32)
+
+
 def dequantize_values(qt: QTensor) -> jax.Array:
     """float32 values of ``qt`` (no checks; traceable)."""
-    codes = qt.qvalue
-    q = codes.unpack_float32() if isinstance(codes, PackedArray) else codes.astype(jnp.float32)
-    zp = qt.zero_point if get_format(codes.dtype).is_integer else None
+    q = code_values(qt)
+    zp = qt.zero_point if qt.format.is_integer else None
 
     def values(q, s, zp):
         return (q if zp is None else q - zp) * s
 
-    return apply_grouped(values, q, qt.layout, qt.scale.astype(jnp.float32),
+    return apply_grouped(values, q, qt.layout, scale_values_of(qt.scale),
                          None if zp is None else zp.astype(jnp.float32))
 
 
@@ -236,6 +335,6 @@ def _signed_nan(out: jax.Array, codes: jax.Array) -> jax.Array:
 def _dequantize(qt, dtype):
     out = dequantize_values(qt).astype(dtype)
     codes = qt.qvalue
-    if isinstance(codes, PackedArray) or get_format(codes.dtype).name not in NAN_CODES:
+    if isinstance(codes, PackedArray) or qt.format.name not in NAN_CODES:
         return out
     return lax.platform_dependent(out, codes, cpu=lambda out, codes: out, default=_signed_nan)

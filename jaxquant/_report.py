@@ -21,6 +21,7 @@ import numpy as np
 
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
+from jaxquant._schemes import format_name
 from jaxquant._tree import path_str
 
 __all__ = ["LeafReport", "quantization_report", "format_report"]
@@ -70,6 +71,8 @@ class LeafReport:
 
 
 def _granularity(qt: QTensor) -> str:
+    if isinstance(qt.block_size, tuple):
+        return "tiles=" + "x".join(map(str, qt.block_size))
     if qt.block_size:
         return f"axis={qt.axis} block={qt.block_size}"
     return "per-tensor" if qt.axis is None else f"axis={qt.axis}"
@@ -171,7 +174,7 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
 
 def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan) -> LeafReport:
     if is_qtensor(q):
-        fmt = q.format.name + ("(packed)" if q.packed else "")
+        fmt = format_name(q) + ("(packed)" if q.packed else "")
         gran, dtype = _granularity(q), np.dtype(q.dtype)
     else:
         fmt, gran, dtype = "-", "-", _dtype(q)

@@ -45,12 +45,14 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 from jax import lax
 
+from jaxquant._codebooks import encode
 from jaxquant._formats import Format
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
-           "SMALLEST_NORMAL"]
+           "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float"]
 
 SMALLEST_NORMAL = float(jnp.finfo(jnp.float32).tiny)
 _INT32_LO, _INT32_HI = -2147483648.0, 2147483520.0  # float32 values that fit in int32
@@ -244,12 +246,43 @@ def signed_nan_codes(t: jax.Array, codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(b, codes.dtype)
 
 
+def exponent(a: jax.Array) -> jax.Array:
+    """``floor(log2(|a|))`` of float32 ``a`` from its exponent bits, as int32 (-127 for 0)."""
+    return ((_bits(a) >> 23) & 0xFF) - 127
+
+
+def pow2(e: jax.Array) -> jax.Array:
+    """``2.0 ** e`` exactly, as float32, for int32 ``e`` in ``[-126, 127]``."""
+    return _float((e + 127) << 23)
+
+
+def stochastic_float(t: jax.Array, fmt: Format, noise: jax.Array) -> jax.Array:
+    """``t`` rounded stochastically to the grid of the float format ``fmt``.
+
+    Between the two representable neighbours ``lo <= |t| < hi`` the result is
+    ``hi`` with probability ``(|t| - lo) / (hi - lo)`` (unbiased in
+    expectation); the arithmetic is exact (scaling by powers of two).
+
+    Args:
+      t: float32 quotients.
+      fmt: a float format (float8, float4).
+      noise: uniform ``[0, 1)`` draws of ``t``'s shape.
+    """
+    info = ml_dtypes.finfo(fmt.dtype)
+    a = jnp.abs(t)
+    e = jnp.maximum(exponent(a), int(info.minexp))  # the binade; subnormals share the lowest
+    quantum = pow2(e - int(info.nmant))
+    r = jnp.floor(a / quantum + noise) * quantum
+    return jnp.copysign(r, t)
+
+
 def round_to_codes(
     t: jax.Array,
     zero_point: jax.Array | None,
     fmt: Format,
     saturate: bool = True,
     wide: bool = False,
+    noise: jax.Array | None = None,
 ) -> jax.Array:
     """Rounds float32 quotients ``t`` to codes of ``fmt``, as ONNX QuantizeLinear.
 
@@ -257,20 +290,30 @@ def round_to_codes(
     round-half-to-even and saturation at every magnitude (also beyond int32).
     Float formats: a round-to-nearest-even cast, clipped to the largest finite
     value first when ``saturate`` (NaN stays NaN, with ``t``'s sign and
-    ml_dtypes' bit pattern: see `signed_nan_codes`).
+    ml_dtypes' bit pattern: see `signed_nan_codes`). Codebook formats: the
+    nearest table entry (`jaxquant._codebooks.encode`).
 
     Args:
       t: float32 quotients ``x / scale``.
       zero_point: ``None`` or an array broadcastable to ``t`` holding zero points.
       fmt: the target format.
       saturate: float formats only; integer formats always saturate.
-      wide: return integer codes of fewer than 8 bits as int8 (same values),
-        skipping the slow sub-byte conversion when they are packed next.
+      wide: return integer codes of fewer than 8 bits as int8 (same values;
+        codebook codes as uint8), skipping the slow sub-byte conversion when
+        they are packed next.
+      noise: ``None``, or uniform ``[0, 1)`` draws of ``t``'s shape for
+        stochastic rounding: ``floor(t + noise)`` for integers, the upper or
+        lower neighbour in proportion to the distance for floats and codebooks.
 
     Returns:
       An array of ``fmt.dtype`` (or int8 when ``wide``) and ``t``'s shape.
     """
+    if fmt.is_codebook:
+        codes = encode(t, fmt, noise)
+        return codes if wide or fmt.bits > 4 else codes.astype(fmt.dtype)
     if not fmt.is_integer:
+        if noise is not None:
+            t = stochastic_float(t, fmt, noise)
         if zero_point is not None and fmt.bits < 8:
             # All zeros (checked by the caller). ONNX adds it for float4 only; adding it
             # for float8 would turn -0.0 into +0.0.
@@ -280,7 +323,7 @@ def round_to_codes(
             return codes
         return lax.platform_dependent(t, codes, cpu=lambda t, codes: codes,
                                       default=lambda t, codes: signed_nan_codes(t, codes))
-    r = jnp.round(t)  # round half to even
+    r = jnp.round(t) if noise is None else jnp.floor(t + noise)  # round half to even
     if fmt.bits <= 16:
         # Whenever r + zero_point lands inside [qmin, qmax], |r| < 2**17 and the
         # float32 sum is exact; outside, rounding is monotone and the clip saturates.

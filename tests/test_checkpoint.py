@@ -288,13 +288,23 @@ def test_unknown_version_and_foreign_files(path):
     safetensors.numpy.save_file(tensors, path,
                                 metadata=header_metadata(header | {"version": 99}, None))
     with pytest.raises(ValueError, match="unknown jaxquant checkpoint version 99; this jaxquant "
-                                         "reads version 1"):
+                                         "reads versions 1, 2"):
         load_safetensors(path)
     safetensors.numpy.save_file({"a.b": np.ones(2, np.float32), "x/y": np.zeros(1, np.int8)}, path)
     with pytest.raises(ValueError, match="not a jaxquant checkpoint"):
         load_safetensors(path)
     plain = load_safetensors(path, allow_plain=True)
     assert plain["a.b"].dtype == jnp.float32 and plain["x"]["y"].dtype == jnp.int8
+
+
+def test_version_1_files_still_load(path):
+    """Version 2 added codebooks and QTensor scales; a version-1 file means the same."""
+    tree = {"w": jq.quantize(jnp.arange(8.0).reshape(2, 4), axis=1)}
+    header, tensors = encode(tree, to_host=True)
+    safetensors.numpy.save_file(tensors, path,
+                                metadata=header_metadata(header | {"version": 1}, None))
+    back = load_safetensors(path, tree)
+    np.testing.assert_array_equal(np.asarray(back["w"].qvalue), np.asarray(tree["w"].qvalue))
 
 
 def test_extra_tensor_in_file_is_reported(path):

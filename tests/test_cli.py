@@ -90,6 +90,20 @@ def _assert_bit_equal(a, b):
             np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
 
 
+def test_quantize_file_to_low_bit_formats(tmp_path, capsys):
+    _write_plain(tmp_path / "in.safetensors")
+    rules = ["c_fc=nf4:packed:dq", "c_proj=nvfp4:packed", "c_attn=mxfp4:packed"]
+    assert _cli.main(["quantize", str(tmp_path / "in.safetensors"),
+                      str(tmp_path / "out.safetensors"), "--quiet", "--rules", *rules]) == 0
+    out, _ = capsys.readouterr()
+    tree = jq.load_safetensors(tmp_path / "in.safetensors", allow_plain=True)
+    want = jq.quantize_tree(tree, [_cli.parse_rule(r) for r in rules])
+    _assert_bit_equal(jq.load_safetensors(tmp_path / "out.safetensors"), want)
+    table = {ln.split()[0]: ln.split() for ln in out.splitlines()[2:-3]}
+    assert table["h.0.mlp.c_fc.weight"][3] == "nf4(packed)"
+    assert table["h.0.attn.c_attn.weight"][3] == "mxfp4(packed)"
+
+
 @pytest.mark.parametrize("rules", [RULES, None], ids=["rules", "default"])
 def test_quantize_file_equals_quantize_tree(tmp_path, capsys, rules):
     _write_plain(tmp_path / "in.safetensors")
@@ -146,7 +160,7 @@ def test_quantize_and_report_errors_are_one_line(tmp_path, capsys):
         (["quantize", src, dst, "--rules", "kernel"], 2, "must be REGEX=SPEC"),
         (["quantize", src, dst, "--rules", "w=int9"], 2, "unknown format 'int9'"),
         (["quantize", src, dst, "--rules", "w=int8:block=x"], 2, "'block=x' in 'int8:block=x' needs an integer"),
-        (["quantize", src, dst, "--rules", "w=int8:packed"], 2, "packed=True needs a 2- or 4-bit format"),
+        (["quantize", src, dst, "--rules", "w=int8:packed"], 2, "packed=True needs a 2-, 4- or 6-bit format"),
         (["quantize", src, dst, "--rules", "(=int8"], 2, "invalid regular expression '\\('"),
         (["quantize", src, str(tmp_path / "no" / "dir.safetensors")], 1, "cannot write"),
         (["report", str(tmp_path / "bad.safetensors")], 1, "not a valid safetensors file"),
@@ -171,6 +185,11 @@ def test_quantize_and_report_errors_are_one_line(tmp_path, capsys):
     ("float8_e4m3fn:nosaturate", jq.QuantSpec(dtype=jnp.float8_e4m3fn, saturate=False)),
     ("float4_e2m1fn:axis=0:block=32:packed",
      jq.QuantSpec(dtype=jnp.float4_e2m1fn, axis=0, block_size=32, packed=True)),
+    ("nf4:packed:dq", jq.QuantSpec(dtype="nf4", packed=True, double_quant=True)),
+    ("mxfp4:packed:round=ceil", jq.QuantSpec(dtype="mxfp4", packed=True, scale_rounding="ceil")),
+    ("nvfp4", jq.QuantSpec(dtype="nvfp4")),
+    ("int8:tile=128x64", jq.QuantSpec(axis=None, block_size=(128, 64))),
+    ("int8:scale=bfloat16", jq.QuantSpec(scale_dtype=jnp.bfloat16)),
     ("none", None),
 ])
 def test_parse_spec(text, spec):
@@ -184,6 +203,9 @@ def test_parse_spec(text, spec):
     ("int8:axis=one", r"'axis=one' in 'int8:axis=one' needs an integer, got 'one'"),
     ("int8:block=0", r"'int8:block=0': block_size must be a positive integer, got 0"),
     ("int8:axis=none:block=4", r"block_size requires axis"),
+    ("mxfp4:block=16", r"mxfp4 has blocks of 32"),
+    ("mxfp4:round=up", r"scale_rounding must be"),
+    ("int8:scale=int8", r"scale_dtype must be one of"),
 ])
 def test_parse_spec_errors(text, message):
     with pytest.raises(ValueError, match=message):

@@ -118,5 +118,5 @@ def test_quantize_packed_fast_path_equals_pack_of_quantize(fmt, gran):
 
 
 def test_quantize_packed_rejects_wide_formats():
-    with pytest.raises(ValueError, match="packed=True needs a 2- or 4-bit format and an input of rank >= 1, got int8"):
+    with pytest.raises(ValueError, match="packed=True needs a 2-, 4- or 6-bit format and an input of rank >= 1, got int8"):
         jq.quantize(jnp.ones(4), dtype=jnp.int8, packed=True)

@@ -223,7 +223,7 @@ def test_error_non_float_scale():
         jq.quantize(_x(), jnp.int32(1))
 
 
-@pytest.mark.parametrize("dtype", ["float32", jnp.bfloat16, "int64", "nf4", object])
+@pytest.mark.parametrize("dtype", ["float32", jnp.bfloat16, "int64", "nf5", object])
 def test_error_unknown_format(dtype):
     with pytest.raises(TypeError, match=r"dtype must be one of the quantized formats \[.*int8.*\], got"):
         jq.quantize(_x(), dtype=dtype)

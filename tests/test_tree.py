@@ -77,7 +77,7 @@ def test_spec_is_frozen_hashable_and_validated():
     assert s.dtype == jnp.int4 and hash(s) == hash(jq.QuantSpec(dtype=jnp.int4, block_size=32))
     with pytest.raises(TypeError, match="dtype must be one of the quantized formats"):
         jq.QuantSpec(dtype=jnp.float32)
-    with pytest.raises(ValueError, match="packed=True needs a 2- or 4-bit format, got int8"):
+    with pytest.raises(ValueError, match="packed=True needs a 2-, 4- or 6-bit format, got int8"):
         jq.QuantSpec(packed=True)
     with pytest.raises(ValueError, match="block_size requires axis"):
         jq.QuantSpec(axis=None, block_size=4)

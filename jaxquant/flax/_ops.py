@@ -26,7 +26,7 @@ from jax import lax
 from jaxquant._dot import ActQuant, qdot_general, qeinsum
 from jaxquant._fake_quant import fake_quant
 from jaxquant._packing import unpack
-from jaxquant._qtensor import QTensor, is_qtensor
+from jaxquant._qtensor import QTensor, is_qtensor, scale_values
 from jaxquant._quantize import quantize
 from jaxquant._tree import QuantSpec
 from jaxquant.flax._rules import ActSpec
@@ -251,7 +251,8 @@ class InferConv:
                    preferred_element_type=jnp.int32)
         shape = [1] * acc.ndim
         shape[dn.out_spec[1]] = -1
-        s = rhs.scale.reshape(shape) if layout.kind == "axis" else rhs.scale.reshape(())
+        sv = scale_values(rhs)
+        s = sv.reshape(shape) if layout.kind == "axis" else sv.reshape(())
         y = acc.astype(jnp.float32) * x.scale.reshape(()) * s
         return y.astype(out)
 
@@ -262,7 +263,7 @@ def embed_take(table, idx: jax.Array, dtype=None) -> jax.Array:
         return jnp.take(table, idx, axis=0)
     dtype = dtype or table.dtype
     qt, layout = unpack(table), table.layout
-    if layout.kind == "block":
+    if layout.kind in ("block", "tile") or qt.format.is_codebook or is_qtensor(qt.scale):
         return jnp.take(qt.dequantize(dtype), idx, axis=0)
 
     def rows(v):  # scale / zero point, broadcast against the gathered rows
@@ -275,4 +276,4 @@ def embed_take(table, idx: jax.Array, dtype=None) -> jax.Array:
     codes = jnp.take(qt.qvalue, idx, axis=0).astype(jnp.float32)
     if qt.zero_point is not None:
         codes = codes - rows(qt.zero_point).astype(jnp.float32)
-    return (codes * rows(qt.scale.astype(jnp.float32))).astype(dtype)
+    return (codes * rows(scale_values(qt))).astype(dtype)

@@ -1,0 +1,170 @@
+"""Scales stored in other dtypes than float32: powers of two, float8, and two levels.
+
+A computed float32 scale (``absmax / max_finite`` per group) is stored as:
+
+* ``float32`` (the default), ``bfloat16`` or ``float16``: rounded to nearest;
+* ``float8_e8m0fnu`` (OCP Microscaling): a power of two ``2**e``. The
+  exponent is chosen from the group's absmax by ``scale_rounding``:
+
+  - ``"floor"``: ``e = floor(log2(absmax)) - emax`` (``emax`` the exponent of
+    the element format's largest power of two), the OCP MX v1.0 rule. The
+    largest values of a group may then clip (up to 2x the element maximum).
+  - ``"ceil"``: the smallest ``e`` with ``absmax / 2**e <= max_finite``: never
+    clips, at the cost of one bit of resolution in some groups.
+  - ``"up_on_overflow"``: ``"floor"``, raised by one only where the group's
+    largest value would round beyond the element maximum; values that round
+    down to the maximum keep the finer scale.
+
+  Exponents are kept in ``[-126, 127]`` (XLA:CPU flushes float32 subnormals).
+* a float8 format (``float8_e4m3fn``, as NVFP4): a `QTensor` of float8 block
+  scales with one float32 scale per tensor (``max(scale) / 448``), or, with
+  ``double_quant``, one float32 scale per group of 256 block scales (tiles of
+  256 consecutive scales: a part of the last axis, or whole rows of it), as
+  bitsandbytes' nested quantization (it uses its own 8-bit dynamic code after
+  subtracting the mean, this uses float8 codes: 8 bits per
+  scale either way, relative precision kept for small scales). A block scale
+  too small for float8 next to the largest of its group is kept at the
+  smallest positive float8 code (never 0, so never a zeroed block).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from jax.typing import DTypeLike
+
+from jaxquant._formats import Format, get_format
+from jaxquant._rounding import exponent, pow2
+
+__all__ = ["ScaleOptions", "scale_options", "store_scale", "DOUBLE_QUANT_BLOCK"]
+
+ScaleRounding = Literal["floor", "ceil", "up_on_overflow"]
+DOUBLE_QUANT_BLOCK = 256
+_PLAIN = ("float32", "bfloat16", "float16")
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleOptions:
+    """How computed scales are stored (static; part of the jit cache key)."""
+
+    dtype: np.dtype | None = None  # None: float32
+    rounding: ScaleRounding = "floor"
+    double_quant: bool = False
+
+    @property
+    def plain(self) -> bool:
+        """True when the scale is stored as float32 (no rounding, no second level)."""
+        return (self.dtype is None or self.dtype == np.float32) and not self.double_quant
+
+    @property
+    def two_level(self) -> bool:
+        """True when the stored scale is a `QTensor` of float8 codes."""
+        return self.double_quant or (self.dtype is not None and self.dtype.name.startswith(
+            "float8") and self.dtype.name != "float8_e8m0fnu")
+
+
+def scale_options(scale_dtype: DTypeLike | None, scale_rounding: str, double_quant: bool,
+                  symmetric: bool) -> ScaleOptions:
+    """Validated `ScaleOptions`, or a TypeError/ValueError naming the argument."""
+    if scale_rounding not in ("floor", "ceil", "up_on_overflow"):
+        raise ValueError(f"scale_rounding must be 'floor', 'ceil' or 'up_on_overflow', got "
+                         f"{scale_rounding!r}.")
+    dt = None
+    if scale_dtype is not None:
+        try:
+            dt = np.dtype(scale_dtype)
+        except TypeError:
+            dt = None
+        ok = dt is not None and (dt.name in _PLAIN or dt.name == "float8_e8m0fnu"
+                                 or dt.name in ("float8_e4m3fn", "float8_e5m2"))
+        if not ok:
+            raise TypeError(f"scale_dtype must be one of float32, bfloat16, float16, "
+                            f"float8_e8m0fnu, float8_e4m3fn, float8_e5m2; got {scale_dtype!r}.")
+    options = ScaleOptions(dt, scale_rounding, bool(double_quant))
+    if double_quant and dt is not None and dt.name not in ("float32", "float8_e4m3fn",
+                                                           "float8_e5m2"):
+        raise ValueError(f"double_quant quantizes float32 scales to float8; it cannot be "
+                         f"combined with scale_dtype={dt.name}.")
+    if not options.plain and not symmetric:
+        raise ValueError("scale_dtype and double_quant need symmetric=True (no zero point).")
+    return options
+
+
+def _emax(fmt: Format) -> int:
+    return math.floor(math.log2(fmt.max_finite))
+
+
+def _half_top_gap(fmt: Format) -> tuple[float, bool]:
+    """(half the gap above the largest element, whether a tie there rounds up)."""
+    if fmt.is_integer:
+        return 0.5, int(fmt.qmax) % 2 == 1
+    dt = getattr(ml_dtypes, fmt.name, None) if fmt.is_codebook else fmt.dtype
+    if dt is None:  # NF4 / FP4 tables: any value beyond the end overflows
+        return 0.0, False
+    gap = 2.0 ** (_emax(fmt) - int(ml_dtypes.finfo(dt).nmant))
+    return gap / 2, round(fmt.max_finite / gap) % 2 == 1
+
+
+def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
+    """(``float8_e8m0fnu`` scales, their float32 values) for group maxima ``amax``."""
+    e = exponent(amax) - _emax(fmt)
+    if rounding != "floor":
+        t = amax * pow2(jnp.clip(-e, -126, 127))  # exact: amax / 2**e
+        if rounding == "ceil":
+            over = t > fmt.max_finite
+        else:
+            half, tie_up = _half_top_gap(fmt)
+            limit = fmt.max_finite + half
+            over = (t > limit) | ((t == limit) & tie_up) if half else t > limit
+        e = e + over.astype(jnp.int32)
+    e = jnp.where(amax > 0, jnp.clip(e, -126, 127), 0)  # all-zero groups: scale 1
+    stored = jax.lax.bitcast_convert_type((e + 127).astype(jnp.uint8), jnp.float8_e8m0fnu)
+    return stored, pow2(e)
+
+
+def _tiles_of(shape: tuple[int, ...], group: int) -> tuple[int, ...]:
+    """Tiles of about ``group`` consecutive scales: rows of the last axis, then more rows."""
+    last = min(shape[-1], group)
+    tiles = [1] * len(shape)
+    tiles[-1] = last
+    if len(shape) > 1:
+        tiles[-2] = max(1, min(shape[-2], group // last))
+    return tuple(tiles)
+
+
+def store_scale(scale: jax.Array, amax: jax.Array, fmt: Format, options: ScaleOptions):
+    """(the stored scale: an array or a `QTensor`, float32 values to divide by).
+
+    Args:
+      scale: float32 scales ``amax / max_finite`` of each group.
+      amax: float32 group maxima of ``|x|``, same shape.
+      fmt: the element format.
+      options: how to store them.
+    """
+    from jaxquant._quantize import dequantize_values, quantize_computed_values  # (circular)
+
+    dt = options.dtype
+    if dt is not None and dt.name == "float8_e8m0fnu":
+        return pow2_scale(amax, fmt, options.rounding)
+    if options.two_level:
+        inner = get_format(dt if dt is not None and dt.name != "float32" else jnp.float8_e4m3fn)
+        if scale.ndim == 0:
+            raise ValueError("double_quant and float8 scales need per-axis, blocked or tiled "
+                             "scales; got per-tensor quantization.")
+        tiles = _tiles_of(scale.shape, DOUBLE_QUANT_BLOCK) if options.double_quant else None
+        nested, _ = quantize_computed_values(scale, inner, None, tiles)
+        # A block scale too small for float8 next to its group's largest would be 0
+        # (and its block all zeros): keep it at the smallest positive code instead.
+        bits = jax.lax.bitcast_convert_type(nested.qvalue, jnp.uint8)
+        bits = jnp.where(bits & 0x7F == 0, jnp.uint8(1), bits)
+        nested = dataclasses.replace(
+            nested, qvalue=jax.lax.bitcast_convert_type(bits, nested.qvalue.dtype))
+        return nested, dequantize_values(nested)
+    stored = scale.astype(dt) if dt is not None else scale
+    return stored, stored.astype(jnp.float32)

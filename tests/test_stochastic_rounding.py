@@ -1,0 +1,78 @@
+"""Stochastic rounding: unbiased in expectation, always one of the two neighbours."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+DRAWS = 4000
+
+
+def _values(name) -> tuple[np.ndarray, dict]:
+    rng = np.random.default_rng(0)
+    if name in ("int8", "int4"):  # explicit scale: every value inside the range
+        return rng.uniform(-7, 7, 64).astype(np.float32), dict(scale=jnp.float32(1.0))
+    if name == "float8_e4m3fn":
+        return rng.uniform(-400, 400, 64).astype(np.float32), dict(scale=jnp.float32(1.0))
+    return rng.uniform(-0.99, 0.99, 64).astype(np.float32), dict(scale=jnp.float32(1.0))
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "float8_e4m3fn", "float4_e2m1fn", "nf4"])
+def test_unbiased_mean_over_many_draws(name):
+    x, kw = _values(name)
+    if name == "float4_e2m1fn":
+        x = x * 6
+    dtype = name if name == "nf4" else jnp.dtype(name)
+
+    def one(key):
+        return jq.quantize(x, kw["scale"], dtype=dtype, key=key).dequantize()
+
+    draws = np.asarray(jax.jit(jax.vmap(one))(jax.random.split(jax.random.key(0), DRAWS)))
+    nearest = np.asarray(jq.quantize(x, kw["scale"], dtype=dtype).dequantize())
+    lo, hi = draws.min(axis=0), draws.max(axis=0)
+    # each draw is one of the two neighbours around x
+    assert np.all(lo <= x) and np.all(hi >= x)
+    assert np.all((draws == lo) | (draws == hi))
+    # the mean is x: |mean - x| within 5 standard errors of a two-point distribution
+    gap = hi - lo
+    p = np.where(gap > 0, (x - lo) / np.where(gap > 0, gap, 1), 0)
+    se = gap * np.sqrt(p * (1 - p) / DRAWS)
+    assert np.all(np.abs(draws.mean(axis=0) - x) <= 5 * se + 1e-6 * np.abs(x))
+    # and it is really stochastic where x is not on the grid (nearest rounding is biased)
+    assert np.any(draws != nearest)
+
+
+def test_same_key_same_codes_and_jit_vmap_grad():
+    x = jax.random.normal(jax.random.key(1), (8, 64))
+    k = jax.random.key(2)
+    a = jq.quantize(x, dtype=jnp.int4, axis=0, key=k)
+    b = jax.jit(lambda x, k: jq.quantize(x, dtype=jnp.int4, axis=0, key=k))(x, k)
+    np.testing.assert_array_equal(np.asarray(a.qvalue), np.asarray(b.qvalue))
+    c = jq.quantize(x, dtype=jnp.int4, axis=0, key=jax.random.key(3))
+    assert np.any(np.asarray(a.qvalue) != np.asarray(c.qvalue))
+    g = jax.grad(lambda x: jq.fake_quant(x, dtype="mxfp4", key=k).sum())(x)
+    assert g.shape == x.shape and set(np.unique(np.asarray(g))) <= {0.0, 1.0}
+    legacy = jq.quantize(x, dtype=jnp.int8, key=jax.random.PRNGKey(0))  # raw uint32 keys too
+    assert legacy.qvalue.dtype == jnp.int8
+
+
+def test_gradient_quantization_is_unbiased_on_average():
+    """Low-bit gradient compression: the mean of stochastic int4 gradients is the gradient."""
+    g = jax.random.normal(jax.random.key(4), (256,)) * 1e-3
+    keys = jax.random.split(jax.random.key(5), DRAWS)
+    q = jax.vmap(lambda k: jq.fake_quant(g, dtype=jnp.int4, key=k))(keys)
+    nearest = jq.fake_quant(g, dtype=jnp.int4)
+    err_sr = float(jnp.abs(q.mean(0) - g).mean())
+    err_nearest = float(jnp.abs(nearest - g).mean())
+    assert err_sr < err_nearest / 10
+
+
+def test_bad_key_is_rejected():
+    with pytest.raises(TypeError, match="key must be a PRNG key"):
+        jq.quantize(jnp.ones(4), key=3)
+    with pytest.raises(TypeError, match="key must be a PRNG key"):
+        jq.fake_quant(jnp.ones(4), key=jnp.ones(2))
