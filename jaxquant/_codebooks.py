@@ -10,7 +10,10 @@ constants. A value exactly on a midpoint goes down (bitsandbytes:
 to the code with the even bit pattern (round half to even). Values beyond the
 table saturate to its ends; NaN becomes the code of 0 (no code holds NaN).
 
-Decoding is a lookup in the table (a gather of a 16- or 64-entry constant).
+Decoding is a lookup in the table, written as a chain of selects (16 for
+NF4/FP4) or, for the float6 tables, as the minifloat's own arithmetic (sign,
+exponent and mantissa fields): no gather, so it vectorizes on CPU and keeps
+the codes' sharding on a mesh with explicit axes.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 from jaxquant._formats import Format
@@ -49,14 +53,21 @@ def _rank(a: jax.Array, mids: np.ndarray, up: np.ndarray) -> jax.Array:
     return k
 
 
+def _lookup(table: np.ndarray, idx: jax.Array, dtype=jnp.float32) -> jax.Array:
+    """``table[idx]`` for a small constant table, as a chain of selects."""
+    out = jnp.full(idx.shape, table[0], dtype)
+    for k, v in enumerate(table.tolist()[1:], start=1):
+        out = jnp.where(idx == k, jnp.asarray(v, dtype), out)
+    return out
+
+
 def _stochastic_rank(a: jax.Array, values: np.ndarray, u: jax.Array) -> jax.Array:
     """Lower neighbour's rank, plus one with probability (a - lower) / (upper - lower)."""
-    table = jnp.asarray(values)
     k = jnp.zeros(a.shape, jnp.int32)
     for v in values[1:].tolist():
         k = k + (a >= v).astype(jnp.int32)
-    lo = jnp.take(table, k)
-    hi = jnp.take(table, jnp.minimum(k + 1, len(values) - 1))
+    lo = _lookup(values, k)
+    hi = _lookup(values, jnp.minimum(k + 1, len(values) - 1))
     gap = hi - lo
     p = jnp.where(gap > 0, (a - lo) / jnp.where(gap > 0, gap, 1.0), 0.0)
     return k + (u < p).astype(jnp.int32)
@@ -80,7 +91,7 @@ def encode(t: jax.Array, fmt: Format, noise: jax.Array | None = None) -> jax.Arr
     a = jnp.clip(a, values[0], values[-1])
     k = _rank(a, mids, up) if noise is None else _stochastic_rank(a, values, noise)
     identity = np.array_equal(codes, np.arange(len(codes)))
-    c = k.astype(jnp.uint8) if identity else jnp.take(jnp.asarray(codes), k)
+    c = k.astype(jnp.uint8) if identity else _lookup(codes, k, jnp.uint8)
     if fmt.sign_magnitude:
         c = c | (jnp.signbit(t).astype(jnp.uint8) << np.uint8(fmt.bits - 1))
     return c
@@ -88,8 +99,19 @@ def encode(t: jax.Array, fmt: Format, noise: jax.Array | None = None) -> jax.Arr
 
 def decode(codes: jax.Array, fmt: Format) -> jax.Array:
     """float32 table values of integer ``codes`` of a codebook format."""
-    table = jnp.asarray(np.asarray(fmt.values, np.float32))
-    return jnp.take(table, codes.astype(jnp.int32), mode="clip")
+    dt = getattr(ml_dtypes, fmt.name, None)
+    if dt is None:
+        return _lookup(np.asarray(fmt.values, np.float32), codes.astype(jnp.uint8))
+    from jaxquant._rounding import pow2  # (imports this module)
+
+    info = ml_dtypes.finfo(dt)
+    m, emin = int(info.nmant), int(info.minexp)
+    c = codes.astype(jnp.int32)
+    mag = c & ((1 << (fmt.bits - 1)) - 1)
+    e, mant = mag >> m, (mag & ((1 << m) - 1)).astype(jnp.float32)
+    # subnormal (e == 0): mant * 2**(emin - m); normal: (2**m + mant) * 2**(emin + e - 1 - m)
+    v = jnp.where(e == 0, mant, mant + (1 << m)) * pow2(jnp.maximum(e, 1) + emin - 1 - m)
+    return jnp.where((c >> (fmt.bits - 1)) == 1, -v, v)
 
 
 def code_values(t: jax.Array, fmt: Format, noise: jax.Array | None = None) -> jax.Array:

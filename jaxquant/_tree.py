@@ -19,6 +19,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._formats import CODEBOOKS, get_format
+from jaxquant._progress import progress_bar
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize, quantize
 from jaxquant._scale_formats import scale_options
@@ -114,11 +115,21 @@ class QuantSpec:
           >>> QuantSpec(axis=0)(jnp.array([[1.0, -2.0], [0.5, 0.25]])).scale
           Array([0.01574803, 0.00393701], dtype=float32)
         """
+        return quantize(x, packed=self.packed, **self.computed_kwargs())
+
+    def computed_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `jaxquant.quantize` / `jaxquant.fake_quant` (computed
+        scales) that this spec stands for, ``packed`` apart.
+
+        Example:
+          >>> QuantSpec(dtype="nf4", double_quant=True).computed_kwargs()["double_quant"]
+          True
+        """
         tiles = isinstance(self.block_size, tuple)
-        return quantize(x, dtype=self.dtype, axis=None if tiles else self.axis,
-                        block_size=self.block_size, symmetric=self.symmetric,
-                        saturate=self.saturate, packed=self.packed, scale_dtype=self.scale_dtype,
-                        scale_rounding=self.scale_rounding, double_quant=self.double_quant)
+        return dict(dtype=self.dtype, axis=None if tiles else self.axis,
+                    block_size=self.block_size, symmetric=self.symmetric,
+                    saturate=self.saturate, scale_dtype=self.scale_dtype,
+                    scale_rounding=self.scale_rounding, double_quant=self.double_quant)
 
 
 Rules = QuantSpec | Sequence[tuple[str, QuantSpec | None]] | None
@@ -228,7 +239,7 @@ def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
     return [rule for i, rule in enumerate(rules) if i not in used]
 
 
-def quantize_tree(tree: Any, rules: Rules = None) -> Any:
+def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> Any:
     """Quantizes the leaves of a pytree that a rule selects.
 
     Args:
@@ -239,6 +250,9 @@ def quantize_tree(tree: Any, rules: Rules = None) -> Any:
         `re.search` finds in the leaf's ``/``-joined path wins, ``None`` keeps
         the leaf, unmatched leaves are kept. Non-float leaves and existing
         `QTensor` leaves are always kept.
+      progress: show a tqdm bar over the leaves that are quantized (on stderr,
+        when tqdm is installed; eager calls only, a traced call has nothing to
+        show).
 
     Returns:
       The same structure with `QTensor` leaves where a rule applied. A sharded
@@ -257,14 +271,20 @@ def quantize_tree(tree: Any, rules: Rules = None) -> Any:
       QTensor(int8[4, 8], axis=1, scale[8], dtype=float32)
     """
     checked = _check_rules(rules)
-
-    def convert(path, leaf):
-        if is_qtensor(leaf):
-            return leaf
-        spec, _ = _select(path_str(path), leaf, checked)
-        return leaf if spec is None else spec(leaf)
-
-    return jax.tree_util.tree_map_with_path(convert, tree, is_leaf=is_qtensor)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qtensor)
+    specs = [None if is_qtensor(leaf) else _select(path_str(path), leaf, checked)[0]
+             for path, leaf in flat]
+    traced = any(isinstance(leaf, jax.core.Tracer) for _, leaf in flat)
+    bar = progress_bar(enabled=progress and not traced, total=sum(s is not None for s in specs),
+                       desc="quantize", unit="tensor")
+    out = []
+    with bar:
+        for (_, leaf), spec in zip(flat, specs, strict=True):
+            if spec is not None:
+                leaf = spec(leaf)
+                bar.update(1)
+            out.append(leaf)
+    return jax.tree_util.tree_unflatten(treedef, out)
 
 
 def dequantize_tree(tree: Any) -> Any:

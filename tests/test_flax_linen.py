@@ -20,7 +20,8 @@ def _x(*shape):
 
 
 SPECS = [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, block_size=2),
-         jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=None)]
+         jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=None), jq.QuantSpec(dtype="nf4", block_size=4),
+         jq.QuantSpec(dtype="mxfp4")]
 TOKENS = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
 
 
@@ -131,7 +132,8 @@ def test_bad_module():
 # ----------------------------------------------------------------------------- QAT
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=["int8", "int4-block2", "fp8-tensor"])
+@pytest.mark.parametrize("spec", SPECS, ids=["int8", "int4-block2", "fp8-tensor", "nf4-block4",
+                                              "mxfp4"])
 def test_qat_forward_equals_fake_quantized_params(zoo, zoo_float, spec):
     model, params = zoo
     qm = quantize_linen(model, QuantConfig(weight=spec))
@@ -261,8 +263,11 @@ def _dequantized(q):
 
 
 @pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, packed=True),
-                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=4, packed=True)],
-                         ids=["int8", "int4-packed", "int4-block4-packed"])
+                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=4, packed=True),
+                                  jq.QuantSpec(dtype="nf4", axis=0, block_size=4, packed=True),
+                                  jq.QuantSpec(dtype="nvfp4", axis=0, packed=True)],
+                         ids=["int8", "int4-packed", "int4-block4-packed", "nf4-packed",
+                              "nvfp4-packed"])
 def test_weight_only_inference_equals_float_on_dequantized_params(zoo, spec):
     model, params = zoo
     qm = quantize_linen(model, QuantConfig(weight=spec))
@@ -274,7 +279,9 @@ def test_weight_only_inference_equals_float_on_dequantized_params(zoo, spec):
     # the jitted program takes the codes: no float kernel comes in, every dot is inside it
     jaxpr = jax.make_jaxpr(jax.jit(qm.apply))(q, TOKENS)
     in_avals = [v.aval for v in jaxpr.jaxpr.invars]
-    assert any(a.dtype == spec.dtype or a.dtype == jnp.uint8 for a in in_avals)
+    assert any(a.dtype == jq.get_format(jq.SCHEMES[spec.dtype].element
+                                        if isinstance(spec.dtype, str) else spec.dtype).dtype
+               or a.dtype == jnp.uint8 for a in in_avals)
     assert not any(a.dtype == jnp.float32 and a.shape in {(8, 8), (3, 8, 8), (2, 8, 8)}
                    for a in in_avals)
 

@@ -233,3 +233,39 @@ def test_explicit_e8m0_scale_is_kept():
     qt = jq.quantize(x, s, dtype=jnp.float4_e2m1fn, axis=1, block_size=32)
     assert qt.scale.dtype == jnp.float8_e8m0fnu
     np.testing.assert_array_equal(np.asarray(qt.dequantize()), np.asarray(x))
+
+
+def _documented_scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jnp.float32):
+    """`jax.nn.scaled_matmul` as its docstring defines it (the cuDNN kernel computes this)."""
+    a_scaled = a.astype(jnp.float32) * jnp.repeat(a_scales.astype(jnp.float32),
+                                                  a.shape[-1] // a_scales.shape[-1], axis=-1)
+    b_scaled = b.astype(jnp.float32) * jnp.repeat(b_scales.astype(jnp.float32),
+                                                  b.shape[-1] // b_scales.shape[-1], axis=-1)
+    return jnp.einsum("BMK,BNK->BMN", a_scaled, b_scaled,
+                      precision="highest").astype(preferred_element_type)
+
+
+@pytest.mark.parametrize("name", ["mxfp8_e4m3", "nvfp4"])
+def test_cudnn_path_passes_codes_and_scales_as_jax_expects(name, monkeypatch):
+    """The GPU path hands `jax.nn.scaled_matmul` element codes and block scales (and applies
+    NVFP4's tensor scales to the output); checked here with the function's documented maths
+    in place of the cuDNN kernel, which needs a Blackwell GPU."""
+    if jax.default_backend() == "gpu":
+        pytest.skip("runs the real kernel path on GPUs")  # exercised by the test above
+    calls = []
+
+    def fake(*args, **kwargs):
+        calls.append([a.dtype for a in args])
+        return _documented_scaled_matmul(*args, **kwargs)
+
+    monkeypatch.setattr(jax.nn, "scaled_matmul", fake)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    a, b = _weights((3, 48, 96), seed=6), _weights((3, 40, 96), seed=7)  # shapes used once
+    qa, qb = jq.quantize(a, dtype=name, packed=name == "nvfp4"), jq.quantize(b, dtype=name)
+    y = jq.scaled_matmul(qa, qb)  # the default picks the cuDNN path on a "gpu"
+    ref = jq.scaled_matmul(qa, qb, implementation="xla")
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5,
+                               atol=1e-5 * float(jnp.abs(ref).max()))
+    element = jnp.float8_e4m3fn if name == "mxfp8_e4m3" else jnp.float4_e2m1fn
+    scale = jnp.float8_e8m0fnu if name == "mxfp8_e4m3" else jnp.float8_e4m3fn
+    assert calls and calls[0] == [element, element, scale, scale]

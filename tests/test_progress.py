@@ -7,6 +7,7 @@ import importlib.util
 import re
 import sys
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -197,3 +198,16 @@ def test_cli_demo_bars_and_quiet(monkeypatch, capsys):
     table = lambda text: [numbers.sub("#", line).split() for line in text.splitlines()]
     assert table(out) == table(quiet_out)
     assert "per-leaf report" in out and "int4" in out
+
+
+def test_quantize_tree_bar_over_quantized_leaves(capsys):
+    tree = {"a": jnp.ones((4, 8)), "b": jnp.ones((8, 8)), "bias": jnp.ones(8)}
+    quiet = jq.quantize_tree(tree)
+    assert capsys.readouterr().err == ""
+    loud = jq.quantize_tree(tree, progress=True)
+    err = capsys.readouterr().err
+    assert "quantize" in err and "2/2" in err
+    for k in tree:
+        assert jax.tree.structure(quiet[k]) == jax.tree.structure(loud[k])
+    jax.jit(lambda t: jq.quantize_tree(t, progress=True))(tree)  # traced: nothing to show
+    assert capsys.readouterr().err == ""

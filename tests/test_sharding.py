@@ -66,6 +66,9 @@ CASES = [
     (P("data", "model"), jq.QuantSpec(dtype=jnp.uint8, symmetric=False), P("data", "model"),
      P("model")),
     (P("data", "model"), jq.QuantSpec(dtype=jnp.float8_e4m3fn), P("data", "model"), P("model")),
+    (P("data", "model"), jq.QuantSpec(dtype="mxfp8_e4m3"), P("data", "model"), P("data", "model")),
+    (P("data", "model"), jq.QuantSpec(dtype="mxfp4", packed=True), P("data", "model"),
+     P("data", "model")),
 ]
 
 
@@ -92,6 +95,22 @@ def test_quantize_tree_keeps_shardings(jit, axis_type, leaf_spec, spec, codes_sp
     back = (jax.jit(jq.dequantize_tree) if jit else jq.dequantize_tree)({"w": q})["w"]
     assert back.sharding.is_equivalent_to(xs.sharding, 2)
     np.testing.assert_array_equal(np.asarray(back), np.asarray(ref.dequantize()))
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(dtype="nvfp4", packed=True),
+                                  jq.QuantSpec(dtype="nf4", block_size=32, double_quant=True)],
+                         ids=["nvfp4", "nf4-double-quant"])
+def test_two_level_scales_are_sharded_like_their_blocks(mesh, spec):
+    x = _x(64, 128)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+    q = jax.jit(lambda t: jq.quantize_tree(t, [("w", spec)]))({"w": xs})["w"]
+    assert _spec(q.qvalue) == P("data", "model")
+    assert _spec(q.scale.qvalue) == P("data", "model")  # float8 block scales
+    ref = spec(x)
+    np.testing.assert_array_equal(np.asarray(q.scale.qvalue).view(np.uint8),
+                                  np.asarray(ref.scale.qvalue).view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(q.scale.scale), np.asarray(ref.scale.scale))
+    np.testing.assert_array_equal(np.asarray(jq.dequantize(q)), np.asarray(ref.dequantize()))
 
 
 def test_three_dim_leaf_per_channel_and_blocked(mesh):

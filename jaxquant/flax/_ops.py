@@ -40,10 +40,10 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 def fake_quant_weight(w: jax.Array, spec: QuantSpec, scale: jax.Array | None = None):
     """``dequantize(spec(w))`` with STE gradients; LSQ gradients for a given ``scale``."""
+    if scale is None:
+        return fake_quant(w, **spec.computed_kwargs())
     kw = dict(dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
               saturate=spec.saturate)
-    if scale is None:
-        return fake_quant(w, symmetric=spec.symmetric, **kw)
     return fake_quant(w, scale.astype(jnp.float32), **kw)
 
 

@@ -260,3 +260,42 @@ for f, g in [("int8", "per-tensor"), ("int8", "per-axis"), ("uint8 asym", "per-a
     rows.append((f"{f}, {g}", q.nbytes))
 for label, n in rows:
     print(f"{label:30s}{n:8,d} bytes  {8 * n / W.size:5.2f} bits/weight")
+
+# %% [markdown]
+# ## Low-bit formats: NF4, MX, NVFP4
+#
+# Codebooks (`"nf4"`, `"fp4"`) and named composites (`jq.SCHEMES`: the OCP Microscaling
+# formats with `float8_e8m0fnu` power-of-two block scales, and NVFP4 with float8 block scales
+# under a float32 tensor scale) are `dtype=` values like any other. Blocks run along the input
+# axis (`axis=0`) of the `(in, out)` kernel. Each point is one format: storage bits per weight
+# (scales included) against SQNR.
+
+# %%
+LOW_BIT = {
+    "int8 per-channel": dict(dtype=jnp.int8, axis=1),
+    "mxint8": dict(dtype="mxint8", axis=0),
+    "mxfp8_e4m3": dict(dtype="mxfp8_e4m3", axis=0),
+    "mxfp6_e2m3": dict(dtype="mxfp6_e2m3", axis=0, packed=True),
+    "int4 block 32": dict(dtype=jnp.int4, axis=0, block_size=32, packed=True),
+    "nf4": dict(dtype="nf4", axis=0, packed=True),
+    "nf4 + double quant": dict(dtype="nf4", axis=0, packed=True, double_quant=True),
+    "nvfp4": dict(dtype="nvfp4", axis=0, packed=True),
+    "mxfp4": dict(dtype="mxfp4", axis=0, packed=True),
+    "mxfp4 (ceil scales)": dict(dtype="mxfp4", axis=0, packed=True, scale_rounding="ceil"),
+}
+points = {}
+for name, kw in LOW_BIT.items():
+    q = jq.quantize(W, **kw)
+    points[name] = (q.bits_per_element, sqnr(W, q.dequantize()))
+    print(f"{name:22s} {jq.format_name(q):12s} {q.bits_per_element:5.2f} bits  "
+          f"{points[name][1]:5.1f} dB")
+print(jq.quantize(W, **LOW_BIT["nvfp4"]))  # the block scales are a QTensor themselves
+
+fig, ax = plt.subplots(figsize=(7, 4))
+for name, (bits, db) in points.items():
+    ax.scatter(bits, db)
+    ax.annotate(name, (bits, db), fontsize=8, xytext=(4, -3), textcoords="offset points")
+ax.set_xlabel("bits per weight (scales included)")
+ax.set_ylabel("SQNR (dB)")
+ax.set_title("Low-bit formats on a trained kernel")
+plt.show()
