@@ -1,8 +1,11 @@
 """Codes of codebook formats (NF4, FP4, float6): nearest table entry and table lookup.
 
-Encoding compares each value with the midpoints between neighbouring table
-entries (sorted by value, or by magnitude for sign-magnitude tables), exactly
-as bitsandbytes' ``dQuantizeNF4`` / ``dQuantizeFP4`` decision trees do: the
+The value compared is ``x * (1 / scale)`` for NF4 and FP4, as bitsandbytes
+computes it (a float32 reciprocal of the block's absmax, then a product), and
+the correctly rounded ``x / scale`` for float6. Encoding compares each value
+with the midpoints between neighbouring table entries (sorted by value, or
+by magnitude for sign-magnitude tables), exactly as bitsandbytes'
+``dQuantizeNF4`` / ``dQuantizeFP4`` decision trees do: the
 number of midpoints below a value is its rank. Midpoints are computed in
 float64 and rounded to float32, which reproduces bitsandbytes' threshold
 constants. A value exactly on a midpoint goes down (bitsandbytes:

@@ -49,7 +49,7 @@ from jaxquant._formats import Format
 from jaxquant._granularity import Layout, expand, group_reduce, layout_from_args, layout_from_scale
 from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
 from jaxquant._quantize import _check_key, as_float_input, computed_scale, scale_values_of
-from jaxquant._rounding import divide, round_to_codes
+from jaxquant._rounding import quotient, round_to_codes
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import resolve
 
@@ -157,7 +157,7 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     """(unclipped float codes, clipped float codes, rounded zero point or None, scale)."""
     fmt = config.fmt
     s = expand(scale, x.shape, config.layout)
-    t = divide(x.astype(jnp.float32), s)
+    t = quotient(x.astype(jnp.float32), s, fmt)
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, s
     if not fmt.is_integer:

@@ -28,7 +28,7 @@ from jaxquant._granularity import (
 )
 from jaxquant._packing import PackedArray, pack_bits, pack_fields
 from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
-from jaxquant._rounding import NAN_CODES, divide, round_to_codes
+from jaxquant._rounding import NAN_CODES, quotient, round_to_codes
 from jaxquant._scale_formats import ScaleOptions, scale_options, store_scale
 from jaxquant._scales import compute_scale
 from jaxquant._schemes import resolve
@@ -207,7 +207,8 @@ def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: 
     """
     def codes(x, s, zp):
         noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
-        return round_to_codes(divide(x.astype(jnp.float32), s), zp, fmt, saturate, wide, noise)
+        return round_to_codes(quotient(x.astype(jnp.float32), s, fmt), zp, fmt, saturate, wide,
+                              noise)
 
     return apply_grouped(codes, x, layout, scale.astype(jnp.float32), zero_point)
 

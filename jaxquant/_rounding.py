@@ -52,7 +52,7 @@ from jaxquant._codebooks import encode
 from jaxquant._formats import Format
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
-           "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float"]
+           "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "quotient"]
 
 SMALLEST_NORMAL = float(jnp.finfo(jnp.float32).tiny)
 _INT32_LO, _INT32_HI = -2147483648.0, 2147483520.0  # float32 values that fit in int32
@@ -244,6 +244,16 @@ def signed_nan_codes(t: jax.Array, codes: jax.Array) -> jax.Array:
     sign = (lax.bitcast_convert_type(t, _U32) >> 24).astype(jnp.uint8) & jnp.uint8(0x80)
     b = jnp.where(jnp.isnan(codes), sign | jnp.uint8(nan), b)
     return lax.bitcast_convert_type(b, codes.dtype)
+
+
+def quotient(x: jax.Array, scale: jax.Array, fmt: Format) -> jax.Array:
+    """``x / scale`` as ``fmt`` defines it: correctly rounded (`divide`), or, for
+    bitsandbytes' codebooks (NF4, FP4), ``x * (1 / scale)`` as bitsandbytes computes it
+    (``vals * local_abs_max_inv``); the reciprocal is a per-group constant, so XLA fuses
+    the product into the code search instead of writing the quotients out."""
+    if fmt.is_codebook and fmt.ties == "down":
+        return x * divide(jnp.ones((), jnp.float32), scale)
+    return divide(x, scale)
 
 
 def exponent(a: jax.Array) -> jax.Array:

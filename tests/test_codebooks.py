@@ -119,7 +119,8 @@ def test_fp4_codes_match_bitsandbytes_decision_tree():
 
 
 def test_nf4_blockwise_matches_bitsandbytes_algorithm():
-    """absmax per block of 64, x / absmax, nearest code; dequantize = table * absmax."""
+    """absmax per block of 64, x * (1 / absmax) in float32 (bitsandbytes' kQuantizeBlockwise:
+    ``vals * local_abs_max_inv``), nearest code; dequantize = table * absmax."""
     rng = np.random.default_rng(2)
     w = rng.standard_normal((8, 256)).astype(np.float32)
     qt = jq.quantize(w, dtype="nf4", packed=True)
@@ -127,7 +128,7 @@ def test_nf4_blockwise_matches_bitsandbytes_algorithm():
     blocks = w.reshape(8, 4, 64)
     absmax = np.abs(blocks).max(axis=-1, keepdims=True)
     np.testing.assert_array_equal(np.asarray(qt.scale), absmax[..., 0])
-    normed = (blocks / absmax).reshape(-1)
+    normed = (blocks * (np.float32(1) / absmax)).reshape(-1)
     expected = np.array([bnb_quantize_nf4(float(v)) for v in normed]).reshape(8, 256)
     np.testing.assert_array_equal(_codes(qt), expected)
     deq = (np.float32(BNB_NF4)[expected].reshape(8, 4, 64) * absmax).reshape(8, 256)

@@ -201,9 +201,8 @@ class QuantizedLinen:
       >>> qm = QuantizedLinen(model, (("layers_0", QuantConfig()), ("layers_9", None)))
       >>> x = jnp.ones((1, 3))
       >>> params = qm.init(jax.random.key(0), x)
-      >>> qm.layers(params, x)
-      {'layers_0': QuantConfig(weight=QuantSpec(dtype=dtype('int8'), axis=-1, block_size=None,
-                                                symmetric=True, saturate=True, packed=False),
+      >>> qm.layers(params, x)  # doctest: +ELLIPSIS
+      {'layers_0': QuantConfig(weight=QuantSpec(dtype=dtype('int8'), axis=-1, ...),
                                act=None, int8_dot=False, learn_scale=False),
        'layers_2': None}
       >>> qm.unused_rules(params, x)
