@@ -57,11 +57,16 @@ def _rank(a: jax.Array, mids: np.ndarray, up: np.ndarray) -> jax.Array:
 
 
 def _lookup(table: np.ndarray, idx: jax.Array, dtype=jnp.float32) -> jax.Array:
-    """``table[idx]`` for a small constant table, as a chain of selects."""
-    out = jnp.full(idx.shape, table[0], dtype)
-    for k, v in enumerate(table.tolist()[1:], start=1):
-        out = jnp.where(idx == k, jnp.asarray(v, dtype), out)
-    return out
+    """``table[idx]`` for a small constant table: a tree of selects on the bits of ``idx``."""
+    values = table.tolist()
+    values += values[-1:] * ((1 << max(len(values) - 1, 1).bit_length()) - len(values))
+    out = [jnp.asarray(v, dtype) for v in values]
+    bit = 0
+    while len(out) > 1:
+        on = ((idx >> bit) & 1) == 1
+        out = [jnp.where(on, out[j + 1], out[j]) for j in range(0, len(out), 2)]
+        bit += 1
+    return jnp.broadcast_to(out[0], idx.shape)
 
 
 def _stochastic_rank(a: jax.Array, values: np.ndarray, u: jax.Array) -> jax.Array:
