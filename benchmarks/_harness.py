@@ -10,6 +10,7 @@ memory-bound XLA call.
 from __future__ import annotations
 
 import importlib.metadata
+import json
 import os
 import pathlib
 import platform
@@ -80,6 +81,17 @@ def write_atomic(path: pathlib.Path, text: str) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(text)
     tmp.replace(path)
+
+
+def write_report(out: pathlib.Path, stem: str, report: dict, table: str) -> None:
+    """Writes ``<out>/<stem>.json`` (the report) and ``<stem>.md`` (the table), prints the
+    table on stdout and where they went on stderr."""
+    out.mkdir(parents=True, exist_ok=True)
+    write_atomic(out / f"{stem}.json", json.dumps(report, indent=2) + "\n")
+    write_atomic(out / f"{stem}.md", table)
+    print(table)
+    wall = f" ({report['wall_s']} s)" if "wall_s" in report else ""
+    print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')}{wall}", file=sys.stderr)
 
 
 def ratio_record(name: str, seconds: Sequence[float], base: Sequence[float],

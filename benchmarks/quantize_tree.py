@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import pathlib
 import statistics
 import sys
@@ -41,9 +40,9 @@ import jax.numpy as jnp
 import jaxquant as jq
 
 try:  # python -m benchmarks.quantize_tree
-    from benchmarks._harness import machine_info, run_rounds, write_atomic
+    from benchmarks._harness import machine_info, run_rounds, write_report
 except ImportError:  # python benchmarks/quantize_tree.py
-    from _harness import machine_info, run_rounds, write_atomic
+    from _harness import machine_info, run_rounds, write_report
 
 PACKAGES = ("jax", "jaxlib", "numpy", "qwix", "flax")
 D, LAYERS, VOCAB, CONTEXT = 768, 12, 50257, 1024
@@ -181,11 +180,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cases": cases,
     }
     report["wall_s"] = round(time.perf_counter() - wall, 1)
-    table = markdown(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "quantize_tree.json", json.dumps(report, indent=2) + "\n")
-    write_atomic(args.out / "quantize_tree.md", table)
-    print(table)
+    write_report(args.out, "quantize_tree", report, markdown(report))
     return 0
 
 

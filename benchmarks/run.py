@@ -31,7 +31,6 @@ import functools
 import importlib
 import importlib.metadata
 import importlib.util
-import json
 import pathlib
 import statistics
 import sys
@@ -46,10 +45,10 @@ import numpy as np
 import jaxquant as jq
 
 try:  # python -m benchmarks.run
-    from benchmarks._harness import machine_info, run_rounds, write_atomic
+    from benchmarks._harness import machine_info, run_rounds, write_report
     from benchmarks._peers import ort_call, torch_call
 except ImportError:  # python benchmarks/run.py
-    from _harness import machine_info, run_rounds, write_atomic
+    from _harness import machine_info, run_rounds, write_report
     from _peers import ort_call, torch_call
 
 LIMIT_CASE = "numpy.copyto (preallocated)"
@@ -632,13 +631,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "cases": summarize(selected, notes, times, args.size),
     }
     report["wall_s"] = round(time.perf_counter() - wall, 1)
-    table = markdown(report)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "core.json", json.dumps(report, indent=2) + "\n")
-    write_atomic(args.out / "core.md", table)
-    print(table)
-    print(f"wrote {args.out / 'core.json'} and {args.out / 'core.md'} "
-          f"({report['wall_s']} s)", file=sys.stderr)
+    write_report(args.out, "core", report, markdown(report))
     return 0
 
 

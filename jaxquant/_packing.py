@@ -97,14 +97,7 @@ def pack_fields(u: jax.Array, bits: int, axis: int) -> jax.Array:
     """
     if bits == 6:
         return _pack6(u, axis)
-    per = 8 // bits
-    n = u.shape[axis]
-    m = -(-n // per)
-    if m * per != n:
-        pad = [(0, 0)] * u.ndim
-        pad[axis] = (0, m * per - n)
-        u = jnp.pad(u, pad)
-    u = u.reshape(u.shape[:axis] + (m, per) + u.shape[axis + 1:])
+    u = _groups(u, axis, 8 // bits)
     # Disjoint bit fields: the sum is the bitwise or.
     return jnp.sum(u << _shifts(bits, u.ndim, axis + 1), axis=axis + 1, dtype=jnp.uint8)
 
