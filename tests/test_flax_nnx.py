@@ -121,8 +121,9 @@ def test_bad_arguments():
 
 
 @pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, block_size=2),
-                                  jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=None)],
-                         ids=["int8", "int4-block2", "fp8-tensor"])
+                                  jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=None),
+                                  jq.QuantSpec(dtype="mxfp8_e4m3")],
+                         ids=["int8", "int4-block2", "fp8-tensor", "mxfp8"])
 def test_qat_forward_equals_fake_quantized_kernels(zoo, zoo_float, spec):
     fq = lambda k: jq.fake_quant(k, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size)
     ref = run(_with_kernels(zoo, fq), TOKENS)
@@ -204,8 +205,10 @@ def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
 
 
 @pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, packed=True),
-                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=4, packed=True)],
-                         ids=["int8", "int4-packed", "int4-block4-packed"])
+                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=4, packed=True),
+                                  jq.QuantSpec(dtype="nf4", axis=0, block_size=4, packed=True,
+                                               double_quant=True)],
+                         ids=["int8", "int4-packed", "int4-block4-packed", "nf4-double-quant"])
 def test_weight_only_inference_equals_float_on_dequantized_kernels(zoo, spec):
     q = nnx_quantize(nnx.clone(zoo), QuantConfig(weight=spec))
     codes = [var[...] for var in _kernels(q)]
