@@ -179,6 +179,9 @@ CONFIGS: list[tuple[str, str, jq.QuantSpec | None]] = [
     ("int4", "block 32", jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=32, packed=True)),
     ("float4_e2m1fn", "block 32", jq.QuantSpec(dtype=jnp.float4_e2m1fn, axis=0, block_size=32,
                                                packed=True)),
+    ("nf4", "block 64", jq.QuantSpec(dtype="nf4", axis=0, packed=True)),
+    ("mxfp4", "block 32", jq.QuantSpec(dtype="mxfp4", axis=0, packed=True)),
+    ("nvfp4", "block 16", jq.QuantSpec(dtype="nvfp4", axis=0, packed=True)),
     ("int2", "block 16", jq.QuantSpec(dtype=jnp.int2, axis=0, block_size=16, packed=True)),
 ]
 

@@ -41,6 +41,8 @@ def test_demo_table_runs_quantized_model():
     assert 0.25 < ratio[("int8", "per-channel")] < 0.26
     assert ratio[("int8 W8A8", "per-channel")] == ratio[("int8", "per-channel")]
     assert 0.12 < ratio[("int4", "per-channel")] < 0.135
+    for low_bit in (("nf4", "block 64"), ("nvfp4", "block 16"), ("mxfp4", "block 32")):
+        assert ratio[low_bit] < 0.16 and loss[low_bit] < loss[("int2", "block 16")]
     # the per-leaf report of the int4 tree
     report = out[out.index("per-leaf report"):].splitlines()
     kernel = next(ln for ln in report if ln.startswith("dense_0/kernel")).split()
