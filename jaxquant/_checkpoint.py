@@ -26,13 +26,13 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxquant._decoding import build, verify
 from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
 from jaxquant._qtensor import QTensor
 from jaxquant._serialization import (
     HEADER_KEY,
     ST_CODES,
-    build,
     encode,
     header_metadata,
     placements,
@@ -41,7 +41,6 @@ from jaxquant._serialization import (
     read_header,
     sharding_of,
     storage,
-    verify,
 )
 from jaxquant._tree import path_str
 

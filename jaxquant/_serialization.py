@@ -5,11 +5,12 @@ by ``<path>/qvalue``, ``/scale``, ``/zero_point``), packs 2- and 4-bit codes in
 uint8 with ONNX's layout, bitcasts the dtypes safetensors lacks to unsigned
 integers, and writes a header (leaf kinds, QTensor metadata, the logical dtype,
 shape and CRC-32 of each tensor) that makes the checkpoint self-describing; the
-README's "Checkpoint format" documents it. `read_header`, `plan`, `verify` and
-`build` check a checkpoint (header checksum and version, the set of tensors,
-their dtypes, shapes and checksums; paths, kinds, dtypes, shapes and QTensor
-metadata against a target tree) and rebuild the tree on the target's shardings.
-`_checkpoint` moves tensors and header to and from safetensors files and orbax.
+README's "Checkpoint format" documents it. `read_header` and `plan` check a
+checkpoint's header (checksum and version, the set of tensors, their dtypes and
+shapes; paths, kinds, dtypes, shapes and QTensor metadata against a target
+tree); `jaxquant._decoding` verifies the stored tensors and rebuilds the tree on
+the target's shardings. `_checkpoint` moves tensors and header to and from
+safetensors files and orbax.
 """
 
 from __future__ import annotations
@@ -29,14 +30,12 @@ from jaxquant._packing import (
     pack_bits,
     pack_fields,
     packed_length,
-    unpack_bits,
-    unpack_fields,
 )
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import path_str
 
 __all__ = ["encode", "header_metadata", "read_header", "plain_header", "plan", "placements",
-           "sharding_of", "storage", "verify", "build", "ST_CODES", "HEADER_KEY"]
+           "sharding_of", "storage", "crc32", "block_size_of", "join", "ST_CODES", "HEADER_KEY"]
 
 FORMAT_NAME = "jaxquant.checkpoint"
 FORMAT_VERSION = 2  # 2: codebook QTensors and QTensor scales (two-level); reads 1 and 2
@@ -64,7 +63,7 @@ def _is_arraylike(x) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
-def _join(path: str, child: str) -> str:
+def join(path: str, child: str) -> str:
     return f"{path}/{child}" if path else child
 
 
@@ -128,24 +127,24 @@ def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
     if qt.format.bits == 6 and not qt.packed and qt.ndim:  # float6: four codes in three bytes
         axis = qt.ndim - 1
         codes = PackedArray(_pack6(codes, axis), np.dtype(codes.dtype), qt.shape, axis, 6)
-    add(_join(path, "qvalue"), codes)
+    add(join(path, "qvalue"), codes)
     entry = {"kind": "qtensor", "axis": qt.axis,
              "block_size": list(qt.block_size) if isinstance(qt.block_size, tuple)
              else qt.block_size,
              "dtype": np.dtype(qt.dtype).name, "packed": qt.packed,
              "zero_point": qt.zero_point is not None}
     if is_qtensor(qt.scale):
-        entry["scale"] = _encode_qtensor(_join(path, "scale"), qt.scale, add)
+        entry["scale"] = _encode_qtensor(join(path, "scale"), qt.scale, add)
     else:
-        add(_join(path, "scale"), qt.scale)
+        add(join(path, "scale"), qt.scale)
     if qt.zero_point is not None:
-        add(_join(path, "zero_point"), qt.zero_point)
+        add(join(path, "zero_point"), qt.zero_point)
     if qt.codebook is not None:
         entry["codebook"] = qt.codebook
     return entry
 
 
-def _block_size(entry: dict):
+def block_size_of(entry: dict):
     b = entry["block_size"]
     return tuple(b) if isinstance(b, list) else b
 
@@ -231,12 +230,12 @@ def _leaf_keys(path: str, entry: dict) -> list[str]:
         return [path]
     if entry["kind"] != "qtensor":
         raise ValueError(f"unknown leaf kind {entry['kind']!r}")
-    keys = [_join(path, "qvalue")]
+    keys = [join(path, "qvalue")]
     if "scale" in entry:
-        keys += _leaf_keys(_join(path, "scale"), entry["scale"])
+        keys += _leaf_keys(join(path, "scale"), entry["scale"])
     else:
-        keys.append(_join(path, "scale"))
-    return keys + ([_join(path, "zero_point")] if entry["zero_point"] else [])
+        keys.append(join(path, "scale"))
+    return keys + ([join(path, "zero_point")] if entry["zero_point"] else [])
 
 
 def read_header(meta: dict[str, str] | None, where: str) -> dict:
@@ -318,7 +317,7 @@ def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:
     if kind != "qtensor":
         _same(where, path, t, specs[path])
         return
-    stored = {"axis": entry["axis"], "block_size": _block_size(entry),
+    stored = {"axis": entry["axis"], "block_size": block_size_of(entry),
               "codebook": entry.get("codebook")}
     for name, value in stored.items():
         if getattr(t, name) != value:
@@ -336,11 +335,11 @@ def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:
         raise TypeError(f"{where}: {path!r}: the target has {has[is_qtensor(t.scale)]}, the "
                         f"file {has['scale' in entry]}.")
     if is_qtensor(t.scale):
-        _check_leaf(where, _join(path, "scale"), entry["scale"], specs, t.scale)
+        _check_leaf(where, join(path, "scale"), entry["scale"], specs, t.scale)
     for name in ("qvalue", "scale", "zero_point"):
         v = getattr(t, name)
         if v is not None and not is_qtensor(v):
-            _same(where, _join(path, name), v, specs[_join(path, name)])
+            _same(where, join(path, name), v, specs[join(path, name)])
 
 
 def plan(header: dict, target: Any, where: str) -> tuple[list, Any]:
@@ -384,128 +383,12 @@ def placements(path: str, entry: dict, t) -> dict[str, Any]:
     for n in ("qvalue", "scale", "zero_point"):
         v = getattr(t, n)
         if is_qtensor(v):
-            out |= placements(_join(path, n), entry[n], v)
+            out |= placements(join(path, n), entry[n], v)
         elif v is not None:
-            out[_join(path, n)] = v
+            out[join(path, n)] = v
     return out
 
 
 def sharding_of(t):
     """The sharding a target array asks for (``None``: the default device)."""
     return getattr(t.data if isinstance(t, PackedArray) else t, "sharding", None)
-
-
-# --- tensors -> tree ------------------------------------------------------------------
-
-
-def verify(where: str, key: str, spec: dict, stored_dtype: str, stored_shape, data) -> None:
-    """Checks a stored tensor's dtype, shape and CRC-32 against its header entry."""
-    dtype, shape = storage(spec)
-    if stored_dtype != dtype.name or tuple(stored_shape) != shape:
-        raise ValueError(f"{where}: tensor {key!r} is stored as {stored_dtype}"
-                         f"{list(stored_shape)}, its header entry says {dtype.name}"
-                         f"{list(shape)}: corrupted file.")
-    if "crc32" in spec and crc32(data) != spec["crc32"]:
-        raise ValueError(f"{where}: checksum mismatch in tensor {key!r}: CRC-32 {crc32(data)}, "
-                         f"the header records {spec['crc32']}: corrupted file.")
-
-
-def _put(where: str, key: str, x, sharding):
-    """``x`` on ``sharding`` (or the default device); never changes the dtype."""
-    want = np.dtype(x.dtype)
-    if sharding is None and jax.dtypes.canonicalize_dtype(want) != want:
-        return np.asarray(x)  # e.g. int64 without jax_enable_x64: exact as NumPy
-    y = jax.device_put(x, sharding)
-    if y.dtype != want:
-        raise TypeError(f"{where}: {key!r}: {want.name} would become {y.dtype} on the device; "
-                        f"enable jax_enable_x64 to load it.")
-    return y
-
-
-def _decode(where: str, key: str, spec: dict, data, sharding, keep_packed: bool):
-    """The array (or PackedArray) a stored tensor holds, placed on ``sharding``."""
-    dtype, shape, encoding = np.dtype(spec["dtype"]), tuple(spec["shape"]), spec["encoding"]
-    if encoding == "raw":
-        return _put(where, key, data, sharding)
-    if encoding == "bitcast":
-        data = np.asarray(data).view(dtype) if sharding is None or isinstance(data, np.ndarray) \
-            else jax.lax.bitcast_convert_type(data, dtype)
-        return _put(where, key, data, sharding)
-    axis, bits = spec["axis"], spec.get("bits")
-    if keep_packed:
-        return PackedArray(_put(where, key, data, sharding), dtype, shape, axis, bits)
-    if sharding is not None and isinstance(data, jax.Array):
-        data = np.asarray(data)  # committed elsewhere (orbax): let jit place the input
-    return _unpacker(sharding)(data, dtype, shape, axis, bits)
-
-
-def _unpack(data: jax.Array, dtype: np.dtype, shape: tuple[int, ...], axis: int,
-            bits: int | None) -> jax.Array:
-    n = (shape or (1,))[axis]
-    if bits:
-        return unpack_fields(data, bits, n, axis).astype(dtype).reshape(shape)
-    return unpack_bits(data, dtype, n, axis).reshape(shape)
-
-
-@functools.lru_cache(maxsize=64)
-def _unpacker(sharding):
-    """`_unpack`, jitted once per output sharding (so that equal shapes compile once)."""
-    out = {} if sharding is None else {"out_shardings": sharding}
-    return jax.jit(_unpack, static_argnums=(1, 2, 3, 4), **out)
-
-
-def build(where: str, header: dict, items: list, treedef, get) -> Any:
-    """The tree from a checked plan; ``get(name)`` returns a verified stored tensor."""
-    specs, out = header["tensors"], []
-    for path, entry, t in items:
-        where_to = {k: sharding_of(v) for k, v in placements(path, entry, t).items()}
-
-        def load(name, keep_packed=False, path=path, where_to=where_to):
-            key = path if name is None else _join(path, name)
-            return _decode(where, key, specs[key], get(key), where_to.get(key), keep_packed)
-
-        if entry["kind"] != "qtensor":
-            out.append(load(None, keep_packed=entry["kind"] == "packed"))
-            continue
-        out.append(_build_qtensor(where, path, entry, t, load))
-    if treedef is not None:
-        return jax.tree_util.tree_unflatten(treedef, out)
-    return nest(where, dict(zip([p for p, _, _ in items], out, strict=True)))
-
-
-def _build_qtensor(where: str, path: str, entry: dict, t, load, prefix: str = "") -> QTensor:
-    """A QTensor from its stored tensors (``prefix``: the path below the leaf, for scales)."""
-    packed = entry["packed"] if t is None else t.packed
-    qvalue = load(_join(prefix, "qvalue") if prefix else "qvalue", packed)
-    if "scale" in entry:
-        inner = _join(prefix, "scale") if prefix else "scale"
-        scale = _build_qtensor(where, path, entry["scale"], None if t is None else t.scale, load,
-                               inner)
-    else:
-        scale = load(_join(prefix, "scale") if prefix else "scale")
-    zp = load(_join(prefix, "zero_point") if prefix else "zero_point") \
-        if entry["zero_point"] else None
-    try:
-        return QTensor(qvalue, scale, zp, axis=entry["axis"], block_size=_block_size(entry),
-                       dtype=entry["dtype"], codebook=entry.get("codebook"))
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{where}: {path!r}: the stored QTensor is inconsistent: {e}") from e
-
-
-def nest(where: str, flat: dict[str, Any]) -> Any:
-    """Nested dicts from ``/``-joined paths (a single ``""`` path is the tree itself)."""
-    if list(flat) == [""]:
-        return flat[""]
-    root: dict = {}
-    for path, value in flat.items():
-        *parents, last = path.split("/")
-        node = root
-        for k in parents:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                break
-        if not isinstance(node, dict) or last in node:
-            raise ValueError(f"{where}: cannot rebuild nested dicts: {path!r} collides with "
-                             f"another leaf's path; pass target= with the tree's structure.")
-        node[last] = value
-    return root

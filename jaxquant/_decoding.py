@@ -1,0 +1,135 @@
+"""Stored tensors back to a tree: verified, decoded and placed on the target's shardings.
+
+The second half of the checkpoint layout of `jaxquant._serialization`: `verify`
+checks each stored tensor's dtype, shape and CRC-32 against its header entry,
+`build` decodes them (unpacking 2-, 4- and 6-bit codes, undoing bitcasts) into
+the planned tree, QTensor scales that are QTensors themselves included, and
+`nest` rebuilds nested dicts from ``/``-joined paths when there is no target.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxquant._packing import PackedArray, unpack_bits, unpack_fields
+from jaxquant._qtensor import QTensor
+from jaxquant._serialization import block_size_of, crc32, join, placements, sharding_of, storage
+
+__all__ = ["verify", "build", "nest"]
+
+
+def verify(where: str, key: str, spec: dict, stored_dtype: str, stored_shape, data) -> None:
+    """Checks a stored tensor's dtype, shape and CRC-32 against its header entry."""
+    dtype, shape = storage(spec)
+    if stored_dtype != dtype.name or tuple(stored_shape) != shape:
+        raise ValueError(f"{where}: tensor {key!r} is stored as {stored_dtype}"
+                         f"{list(stored_shape)}, its header entry says {dtype.name}"
+                         f"{list(shape)}: corrupted file.")
+    if "crc32" in spec and crc32(data) != spec["crc32"]:
+        raise ValueError(f"{where}: checksum mismatch in tensor {key!r}: CRC-32 {crc32(data)}, "
+                         f"the header records {spec['crc32']}: corrupted file.")
+
+
+def _put(where: str, key: str, x, sharding):
+    """``x`` on ``sharding`` (or the default device); never changes the dtype."""
+    want = np.dtype(x.dtype)
+    if sharding is None and jax.dtypes.canonicalize_dtype(want) != want:
+        return np.asarray(x)  # e.g. int64 without jax_enable_x64: exact as NumPy
+    y = jax.device_put(x, sharding)
+    if y.dtype != want:
+        raise TypeError(f"{where}: {key!r}: {want.name} would become {y.dtype} on the device; "
+                        f"enable jax_enable_x64 to load it.")
+    return y
+
+
+def _decode(where: str, key: str, spec: dict, data, sharding, keep_packed: bool):
+    """The array (or PackedArray) a stored tensor holds, placed on ``sharding``."""
+    dtype, shape, encoding = np.dtype(spec["dtype"]), tuple(spec["shape"]), spec["encoding"]
+    if encoding == "raw":
+        return _put(where, key, data, sharding)
+    if encoding == "bitcast":
+        data = np.asarray(data).view(dtype) if sharding is None or isinstance(data, np.ndarray) \
+            else jax.lax.bitcast_convert_type(data, dtype)
+        return _put(where, key, data, sharding)
+    axis, bits = spec["axis"], spec.get("bits")
+    if keep_packed:
+        return PackedArray(_put(where, key, data, sharding), dtype, shape, axis, bits)
+    if sharding is not None and isinstance(data, jax.Array):
+        data = np.asarray(data)  # committed elsewhere (orbax): let jit place the input
+    return _unpacker(sharding)(data, dtype, shape, axis, bits)
+
+
+def _unpack(data: jax.Array, dtype: np.dtype, shape: tuple[int, ...], axis: int,
+            bits: int | None) -> jax.Array:
+    n = (shape or (1,))[axis]
+    if bits:
+        return unpack_fields(data, bits, n, axis).astype(dtype).reshape(shape)
+    return unpack_bits(data, dtype, n, axis).reshape(shape)
+
+
+@functools.lru_cache(maxsize=64)
+def _unpacker(sharding):
+    """`_unpack`, jitted once per output sharding (so that equal shapes compile once)."""
+    out = {} if sharding is None else {"out_shardings": sharding}
+    return jax.jit(_unpack, static_argnums=(1, 2, 3, 4), **out)
+
+
+def build(where: str, header: dict, items: list, treedef, get) -> Any:
+    """The tree from a checked plan; ``get(name)`` returns a verified stored tensor."""
+    specs, out = header["tensors"], []
+    for path, entry, t in items:
+        where_to = {k: sharding_of(v) for k, v in placements(path, entry, t).items()}
+
+        def load(name, keep_packed=False, path=path, where_to=where_to):
+            key = path if name is None else join(path, name)
+            return _decode(where, key, specs[key], get(key), where_to.get(key), keep_packed)
+
+        if entry["kind"] != "qtensor":
+            out.append(load(None, keep_packed=entry["kind"] == "packed"))
+            continue
+        out.append(_build_qtensor(where, path, entry, t, load))
+    if treedef is not None:
+        return jax.tree_util.tree_unflatten(treedef, out)
+    return nest(where, dict(zip([p for p, _, _ in items], out, strict=True)))
+
+
+def _build_qtensor(where: str, path: str, entry: dict, t, load, prefix: str = "") -> QTensor:
+    """A QTensor from its stored tensors (``prefix``: the path below the leaf, for scales)."""
+    packed = entry["packed"] if t is None else t.packed
+    qvalue = load(join(prefix, "qvalue") if prefix else "qvalue", packed)
+    if "scale" in entry:
+        inner = join(prefix, "scale") if prefix else "scale"
+        scale = _build_qtensor(where, path, entry["scale"], None if t is None else t.scale, load,
+                               inner)
+    else:
+        scale = load(join(prefix, "scale") if prefix else "scale")
+    zp = load(join(prefix, "zero_point") if prefix else "zero_point") \
+        if entry["zero_point"] else None
+    try:
+        return QTensor(qvalue, scale, zp, axis=entry["axis"], block_size=block_size_of(entry),
+                       dtype=entry["dtype"], codebook=entry.get("codebook"))
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{where}: {path!r}: the stored QTensor is inconsistent: {e}") from e
+
+
+def nest(where: str, flat: dict[str, Any]) -> Any:
+    """Nested dicts from ``/``-joined paths (a single ``""`` path is the tree itself)."""
+    if list(flat) == [""]:
+        return flat[""]
+    root: dict = {}
+    for path, value in flat.items():
+        *parents, last = path.split("/")
+        node = root
+        for k in parents:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                break
+        if not isinstance(node, dict) or last in node:
+            raise ValueError(f"{where}: cannot rebuild nested dicts: {path!r} collides with "
+                             f"another leaf's path; pass target= with the tree's structure.")
+        node[last] = value
+    return root
