@@ -29,7 +29,6 @@ import numpy as np
 from jaxquant._decoding import build, verify
 from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
-from jaxquant._qtensor import QTensor
 from jaxquant._serialization import (
     HEADER_KEY,
     ST_CODES,
@@ -42,38 +41,8 @@ from jaxquant._serialization import (
     sharding_of,
     storage,
 )
-from jaxquant._tree import path_str
 
 __all__ = ["save_safetensors", "load_safetensors", "save_orbax", "load_orbax"]
-
-
-def _is_record(x) -> bool:
-    return isinstance(x, (QTensor, PackedArray))
-
-
-def _encode(tree: Any, *, to_host: bool, bar: Any = None) -> tuple[dict, dict[str, Any]]:
-    """`encode`, leaf by leaf when there is a progress ``bar`` to advance per tensor.
-
-    Each leaf is encoded under its own path (``encode({path: leaf})`` names its
-    tensors as ``encode(tree)`` does) and the headers are merged. Whatever the
-    merge cannot reproduce exactly (two leaves or tensors with the same name,
-    which ``encode`` rejects with its own message) falls back to ``encode(tree)``.
-    """
-    if bar is None:
-        return encode(tree, to_host=to_host)
-    header, tensors = encode({}, to_host=to_host)
-    fixed = {k: v for k, v in header.items() if k not in ("leaves", "tensors")}
-    for p, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_record)[0]:
-        path = path_str(p)
-        part, part_tensors = encode({path: leaf}, to_host=to_host)
-        if (path in header["leaves"] or any(k in tensors for k in part_tensors)
-                or {k: v for k, v in part.items() if k not in ("leaves", "tensors")} != fixed):
-            return encode(tree, to_host=to_host)
-        header["leaves"].update(part["leaves"])
-        header["tensors"].update(part["tensors"])
-        tensors.update(part_tensors)
-        bar.update(len(part_tensors))
-    return header, tensors
 
 
 def _save_bar(tree: Any, progress: bool):
@@ -138,7 +107,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
     """
     safetensors = _safetensors()
     with _save_bar(tree, progress) as bar:
-        header, tensors = _encode(tree, to_host=True, bar=bar if progress else None)
+        header, tensors = encode(tree, to_host=True, on_tensor=bar.update)
         meta = header_metadata(header, metadata)
         path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
@@ -259,7 +228,7 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
     import orbax.checkpoint as ocp
 
     with _save_bar(tree, progress) as bar:
-        header, tensors = _encode(tree, to_host=False, bar=bar if progress else None)
+        header, tensors = encode(tree, to_host=False, on_tensor=bar.update)
         meta = header_metadata(header, metadata)
         # Orbax refuses empty arrays and empty trees: a tree without data stores one
         # placeholder byte, which load_orbax (with nothing to restore) never reads.

@@ -32,7 +32,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._formats import get_format
 from jaxquant._granularity import expand, normalize_axis
-from jaxquant._packing import PackedArray, sign_extend, unpack_fields
+from jaxquant._packing import PackedArray, sign_extend, split_groups, unpack_fields
 from jaxquant._qtensor import QTensor, is_qtensor, scale_values
 from jaxquant._rounding import divide, round_to_codes
 from jaxquant._scales import scale_from_range
@@ -187,17 +187,6 @@ def _int_operand(op, contract: tuple, act_quant: ActQuant):
     return q, like_scale(scale_values(op)), zp
 
 
-def _to_blocks(v: jax.Array, k: int, block: int) -> jax.Array:
-    """Splits axis ``k`` into ``(n_blocks, block)``, zero-padding a partial last block."""
-    n = v.shape[k]
-    nb = -(-n // block)
-    if nb * block != n:
-        pad = [(0, 0)] * v.ndim
-        pad[k] = (0, nb * block - n)
-        v = jnp.pad(v, pad)
-    return v.reshape(v.shape[:k] + (nb, block) + v.shape[k + 1:])
-
-
 def _to_output(v: jax.Array, contract: tuple, batch: tuple, side: int, n_other_free: int):
     """An operand-rank array of size 1 along ``contract``, laid out as the dot's output."""
     free = tuple(d for d in range(v.ndim) if d not in contract and d not in batch)
@@ -221,7 +210,7 @@ def int_dot_parts(parts, dims, block, out_dtype, out_sharding):
     contract, batch = dims
     if block:  # the contracting axis k becomes (k: a batch axis of blocks, k + 1: contracted)
         b, ks = block, [c[0] for c in contract]
-        parts = [(_to_blocks(q, k, b), jnp.expand_dims(s, k + 1),
+        parts = [(split_groups(q, k, b), jnp.expand_dims(s, k + 1),
                   None if z is None else jnp.expand_dims(z, k + 1))
                  for (q, s, z), k in zip(parts, ks, strict=True)]
         batch = tuple(tuple(d + (d > k) for d in bt) + (k,) for bt, k in zip(batch, ks,

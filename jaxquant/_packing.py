@@ -30,7 +30,7 @@ from jaxquant._formats import get_format
 from jaxquant._granularity import normalize_axis
 
 __all__ = ["PackedArray", "pack", "unpack", "pack_bits", "unpack_bits", "pack_fields",
-           "unpack_fields", "sign_extend", "packed_length"]
+           "unpack_fields", "sign_extend", "packed_length", "split_groups"]
 
 _UNSIGNED = {2: jnp.uint2, 4: jnp.uint4}
 
@@ -56,7 +56,7 @@ def packed_length(n: int, bits: int) -> int:
     return 3 * -(-n // 4) if bits == 6 else -(-n * bits // 8)
 
 
-def _groups(u: jax.Array, axis: int, size: int) -> jax.Array:
+def split_groups(u: jax.Array, axis: int, size: int) -> jax.Array:
     """``u`` zero-padded along ``axis`` to a multiple of ``size``, split as ``(m, size)``."""
     n = u.shape[axis]
     m = -(-n // size)
@@ -68,7 +68,7 @@ def _groups(u: jax.Array, axis: int, size: int) -> jax.Array:
 
 
 def _pack6(u: jax.Array, axis: int) -> jax.Array:
-    g = _groups(u, axis, 4)
+    g = split_groups(u, axis, 4)
     c = [lax.index_in_dim(g, i, axis + 1, keepdims=False) for i in range(4)]
     b = [c[0] | (c[1] << 6), (c[1] >> 2) | (c[2] << 4), (c[2] >> 4) | (c[3] << 2)]
     out = jnp.stack(b, axis=axis + 1)
@@ -80,7 +80,7 @@ def _unpack6(packed: jax.Array, length: int, axis: int) -> jax.Array:
     if m % 3 or not (m // 3 - 1) * 4 < length <= m // 3 * 4:
         raise ValueError(f"length {length} does not fit {m} bytes of 6-bit codes along axis "
                          f"{axis} (three bytes per four codes).")
-    b = [lax.index_in_dim(_groups(packed, axis, 3), i, axis + 1, keepdims=False)
+    b = [lax.index_in_dim(split_groups(packed, axis, 3), i, axis + 1, keepdims=False)
          for i in range(3)]
     c = [b[0] & 63, (b[0] >> 6) | ((b[1] & 15) << 2), (b[1] >> 4) | ((b[2] & 3) << 4), b[2] >> 2]
     out = jnp.stack(c, axis=axis + 1)
@@ -97,7 +97,7 @@ def pack_fields(u: jax.Array, bits: int, axis: int) -> jax.Array:
     """
     if bits == 6:
         return _pack6(u, axis)
-    u = _groups(u, axis, 8 // bits)
+    u = split_groups(u, axis, 8 // bits)
     # Disjoint bit fields: the sum is the bitwise or.
     return jnp.sum(u << _shifts(bits, u.ndim, axis + 1), axis=axis + 1, dtype=jnp.uint8)
 

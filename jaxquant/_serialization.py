@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import json
 import zlib
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -149,11 +150,13 @@ def block_size_of(entry: dict):
     return tuple(b) if isinstance(b, list) else b
 
 
-def encode(tree: Any, *, to_host: bool) -> tuple[dict, dict[str, Any]]:
+def encode(tree: Any, *, to_host: bool,
+           on_tensor: Callable[[], Any] | None = None) -> tuple[dict, dict[str, Any]]:
     """Flattens ``tree`` into ``(header, tensors by name)``.
 
     With ``to_host`` the tensors are NumPy arrays; otherwise they stay where they
     are (sharded jax.Arrays for orbax). Checksums are taken of the host bytes.
+    ``on_tensor`` is called after each tensor (a progress bar's ``update``).
     """
     leaves: dict[str, dict] = {}
     specs: dict[str, dict] = {}
@@ -166,6 +169,8 @@ def encode(tree: Any, *, to_host: bool) -> tuple[dict, dict[str, Any]]:
         spec, data = _encode_array(x)
         h = host(data)
         specs[key], tensors[key] = spec | {"crc32": crc32(h)}, (h if to_host else data)
+        if on_tensor is not None:
+            on_tensor()
 
     flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_record)
     for p, leaf in flat:
