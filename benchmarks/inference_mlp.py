@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import sys
@@ -41,9 +40,9 @@ import jaxquant as jq
 from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
 
 try:  # python -m benchmarks.inference_mlp
-    from benchmarks._harness import machine_info, ratio_record, write_atomic
+    from benchmarks._harness import machine_info, ratio_record, write_report
 except ImportError:  # python benchmarks/inference_mlp.py
-    from _harness import machine_info, ratio_record, write_atomic
+    from _harness import machine_info, ratio_record, write_report
 
 WIDTH, BATCH, LAYERS = 1024, 32, 4
 DN = (((1,), (0,)), ((), ()))
@@ -253,11 +252,7 @@ def main(argv=None) -> None:
     except Exception:
         traceback.print_exc()
         raise
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "inference_mlp.json", json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    write_atomic(args.out / "inference_mlp.md", text)
-    print(text)
+    write_report(args.out, "inference_mlp", result, markdown(result))
 
 
 if __name__ == "__main__":

@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import json
 import os
 import pathlib
 import random
@@ -48,11 +47,11 @@ import jaxquant as jq
 
 try:  # python -m benchmarks.minilm
     from benchmarks import minilm_model, minilm_reference
-    from benchmarks._harness import machine_info, write_atomic
+    from benchmarks._harness import machine_info, write_report
 except ImportError:  # python benchmarks/minilm.py
     import minilm_model
     import minilm_reference
-    from _harness import machine_info, write_atomic
+    from _harness import machine_info, write_report
 
 SENTENCES = (
     # Pairs of paraphrases, one topic per pair: sentence 2i and 2i + 1 say the same thing.
@@ -346,11 +345,7 @@ def main(argv=None) -> None:
                         default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     result = run(args.rounds, args.calls)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "minilm.json", json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    write_atomic(args.out / "minilm.md", text)
-    print(text)
+    write_report(args.out, "minilm", result, markdown(result))
 
 
 if __name__ == "__main__":

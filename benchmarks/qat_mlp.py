@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import pathlib
 import statistics
@@ -50,9 +49,9 @@ import numpy as np
 from jaxquant._qat_dot import QATDotGeneral
 
 try:  # python -m benchmarks.qat_mlp
-    from benchmarks._harness import machine_info, ratio_record, run_rounds, write_atomic
+    from benchmarks._harness import machine_info, ratio_record, run_rounds, write_report
 except ImportError:  # python benchmarks/qat_mlp.py
-    from _harness import machine_info, ratio_record, run_rounds, write_atomic
+    from _harness import machine_info, ratio_record, run_rounds, write_report
 
 WIDTH, BATCH, LAYERS = 1024, 256, 4
 
@@ -236,11 +235,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     args = parser.parse_args(argv)
     result = run(args.rounds, args.steps)
-    args.out.mkdir(parents=True, exist_ok=True)
-    write_atomic(args.out / "qat_mlp.json", json.dumps(result, indent=1) + "\n")
-    text = markdown(result)
-    write_atomic(args.out / "qat_mlp.md", text)
-    print(text)
+    write_report(args.out, "qat_mlp", result, markdown(result))
 
 
 if __name__ == "__main__":
