@@ -48,7 +48,13 @@ from jaxquant._codebooks import code_values
 from jaxquant._formats import Format
 from jaxquant._granularity import Layout, expand, group_reduce, layout_from_args, layout_from_scale
 from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
-from jaxquant._quantize import _check_key, as_float_input, computed_scale, scale_values_of
+from jaxquant._quantize import (
+    _check_key,
+    as_float_input,
+    check_scale_arguments,
+    computed_scale,
+    scale_values_of,
+)
 from jaxquant._rounding import quotient, round_to_codes
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import resolve
@@ -125,6 +131,7 @@ def fake_quant(
     fmt, axis, block_size = r.fmt, r.axis, r.block_size
     x = as_float_input(x)
     key = _check_key(key)
+    check_scale_arguments(fmt, scale, zero_point, scale_dtype, double_quant)
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; pass both, or neither.")

@@ -163,8 +163,7 @@ def quantize(
         raise ValueError(f"packed=True needs a 2-, 4- or 6-bit format and an input of rank >= 1, "
                          f"got {fmt.name} and rank {x.ndim}.")
     key = _check_key(key)
-    if (not fmt.is_integer) and zero_point is not None and fmt.is_codebook:
-        raise ValueError(f"codebook format {fmt.name} takes no zero_point.")
+    check_scale_arguments(fmt, scale, zero_point, scale_dtype, double_quant)
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; pass both, or neither "
@@ -176,9 +175,6 @@ def quantize(
         layout = layout_from_args(x.shape, axis, block_size)
         return _quantize_computed(x, fmt, layout, bool(symmetric), bool(saturate), packed,
                                   options, key)
-    if r.scale_dtype is not None and scale_dtype is not None or double_quant:
-        raise ValueError("scale_dtype and double_quant apply to computed scales; an explicit "
-                         "scale is stored as given.")
     scale = _as_scale(scale)
     layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
     if zero_point is not None:
@@ -186,6 +182,15 @@ def quantize(
         zero_point = zero_point_like_scale(zero_point, scale)
         check_zero_point(zero_point, fmt)
     return _quantize_explicit(x, scale, zero_point, fmt, layout, bool(saturate), packed, key)
+
+
+def check_scale_arguments(fmt: Format, scale, zero_point, scale_dtype, double_quant) -> None:
+    """ValueErrors for arguments that do not go together (shared with `fake_quant`)."""
+    if fmt.is_codebook and zero_point is not None:
+        raise ValueError(f"codebook format {fmt.name} takes no zero_point.")
+    if scale is not None and (scale_dtype is not None or double_quant):
+        raise ValueError("scale_dtype and double_quant apply to computed scales; an explicit "
+                         "scale is stored as given.")
 
 
 def _check_key(key):

@@ -222,6 +222,14 @@ def test_float6_codes_pack_four_per_three_bytes(name, n):
     np.testing.assert_array_equal(codes, np.asarray(plain.qvalue)[0])
 
 
+@pytest.mark.parametrize("fn", [jq.quantize, jq.fake_quant])
+def test_explicit_scales_take_no_scale_storage_options(fn):
+    with pytest.raises(ValueError, match="apply to computed scales"):
+        fn(jnp.ones((4, 64)), jnp.float32(1), dtype="nf4", double_quant=True)
+    with pytest.raises(ValueError, match="takes no zero_point"):
+        fn(jnp.ones((4, 64)), jnp.float32(1), jnp.zeros((), jnp.uint4), dtype="nf4")
+
+
 def test_double_quant_needs_grouped_scales():
     with pytest.raises(ValueError, match="per-tensor"):
         jq.quantize(jnp.ones((4, 64)), dtype=jnp.int4, double_quant=True)
