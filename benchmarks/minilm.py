@@ -23,6 +23,9 @@ lookup; the 36 Dense kernels get the variant's format; biases and LayerNorms sta
 float32. "absmax" scales are ``quantize_tree``'s computed ones; "clip search"
 scales are, per scale group, the absmax scale times the ratio in
 ``0.50, 0.52, ..., 1.00`` with the least squared weight error (`clip_searched`).
+"GPTQ" kernels come from `jaxquant.gptq` with each Dense layer's input Gram
+matrix over 128 calibration sentences taken from standard-library docstrings
+(`calibration_sentences`, never the evaluation sentences; padding excluded).
 
 Results go to ``benchmarks/results/minilm.json`` and ``.md``.
 """
@@ -32,13 +35,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib
 import os
 import pathlib
 import random
+import re
 import statistics
 import sys
 import time
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -111,6 +117,8 @@ class Variant:
     embedding: jq.QuantSpec | None = None
     act_quant: jq.ActQuant | None = None
     clip_search: bool = False
+    gptq: bool = False
+    act_order: bool = False
     torch: bool = False
 
 
@@ -136,12 +144,18 @@ VARIANTS = (
     Variant("float32", torch=True),
     Variant("int8 per-channel, weight-only", all_kernels(INT8_CHANNEL), INT8_ROWS, torch=True),
     Variant("int8 block 32, weight-only", all_kernels(INT8_BLOCK32), INT8_ROWS, torch=True),
+    Variant("int8 per-channel, weight-only, GPTQ", all_kernels(INT8_CHANNEL), INT8_ROWS,
+            gptq=True),
     Variant("int8 W+A (per-channel weights, per-token dynamic act.)", all_kernels(INT8_CHANNEL),
             INT8_ROWS, jq.ActQuant()),
     *(Variant(f"int4 block {b} packed, weight-only", all_kernels(int4_blocks(b)), INT8_ROWS,
               torch=b == 32) for b in (32, 64, 128)),
     *(Variant(f"int4 block {b} packed, weight-only, clip search", all_kernels(int4_blocks(b)),
               INT8_ROWS, clip_search=True) for b in (32, 64, 128)),
+    Variant("int4 block 32 packed, weight-only, GPTQ", all_kernels(int4_blocks(32)), INT8_ROWS,
+            gptq=True),
+    Variant("int4 block 32 packed, weight-only, GPTQ act-order", all_kernels(int4_blocks(32)),
+            INT8_ROWS, gptq=True, act_order=True),
     Variant("int4 block 32 attention + int8 per-channel FFN, weight-only",
             ((FFN, INT8_CHANNEL), ("/kernel$", int4_blocks(32))), INT8_ROWS),
     Variant("float8_e4m3fn per-channel, weight-only", all_kernels(FP8_CHANNEL), FP8_ROWS,
@@ -197,16 +211,73 @@ def clip_searched(spec: jq.QuantSpec, ratios=RATIOS):
     return quantize
 
 
-def quantize_params(params: dict, variant: Variant) -> dict:
-    """The variant's tree: embedding tables by ``variant.embedding``, kernels by its rules."""
+CALIBRATION_MODULES = (
+    "argparse", "bisect", "collections", "csv", "datetime", "decimal", "email", "fractions",
+    "functools", "heapq", "http", "itertools", "json", "logging", "os", "pathlib", "queue",
+    "random", "re", "shutil", "sqlite3", "statistics", "string", "subprocess", "tempfile",
+    "textwrap", "threading", "unittest", "urllib", "zipfile",
+)
+"""Standard-library modules whose docstrings give GPTQ's calibration sentences."""
+
+
+def calibration_sentences(count: int = 128) -> list[str]:
+    """The first ``count`` sentences (30-200 characters) of `CALIBRATION_MODULES`' docstrings.
+
+    Real English every Python install carries, and none of the evaluation `SENTENCES`.
+    """
+    sentences = []
+    for name in CALIBRATION_MODULES:
+        text = " ".join((importlib.import_module(name).__doc__ or "").split())
+        sentences += [s for s in re.split(r"(?<=[.!?])\s+", text) if 30 < len(s) < 200]
+    return sentences[:count]
+
+
+def input_grams(model, params: dict, batch: dict) -> dict[str, np.ndarray]:
+    """``sum x^T x`` over the real (unpadded) tokens of every ``nn.Dense`` input.
+
+    Keys are module paths (``encoder/layer_0/attention/self/query``); runs ``model``
+    eagerly on ``batch`` with an interceptor that reads each Dense layer's input.
+    """
+    tokens = np.asarray(batch["attention_mask"]).reshape(-1).astype(bool)
+    grams: dict[str, np.ndarray] = {}
+
+    def record(next_fun, args, kwargs, context):
+        if context.method_name == "__call__" and type(context.module) is nn.Dense:
+            x = np.asarray(args[0], np.float64).reshape(-1, args[0].shape[-1])[tokens]
+            path = "/".join(context.module.scope.path)
+            grams[path] = grams.get(path, 0) + x.T @ x
+        return next_fun(*args, **kwargs)
+
+    with nn.intercept_methods(record):
+        model.apply(params, **batch)
+    return {k: v.astype(np.float32) for k, v in grams.items()}
+
+
+def quantize_params(params: dict, variant: Variant, grams: dict | None = None) -> dict:
+    """The variant's tree: embedding tables by ``variant.embedding``, kernels by its rules.
+
+    GPTQ variants need ``grams`` (`input_grams` of the calibration sentences).
+    """
     if not variant.kernels:
         return params
     kernels = list(variant.kernels)
-    if variant.clip_search:
+    if variant.gptq and grams is None:
+        raise ValueError(f"variant {variant.name!r} runs GPTQ: pass grams=input_grams(...).")
+    if variant.clip_search or variant.gptq:
         specs = jq.match_rules(params, kernels)
-        params = jax.tree_util.tree_map_with_path(
-            lambda path, x: (x if (spec := specs["/".join(k.key for k in path)]) is None
-                             else clip_searched(spec)(x)), params)
+
+        def kernel(path, x):
+            key = "/".join(k.key for k in path)
+            if (spec := specs[key]) is None:
+                return x
+            if variant.clip_search:
+                return clip_searched(spec)(x)
+            qt = jq.gptq(x, grams[key.removeprefix("params/").removesuffix("/kernel")],
+                         dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
+                         symmetric=spec.symmetric, act_order=variant.act_order)
+            return jq.pack(qt) if spec.packed else qt
+
+        params = jax.tree_util.tree_map_with_path(kernel, params)
         kernels = []
     return jq.quantize_tree(params, [("_embeddings/embedding$", variant.embedding), *kernels])
 
@@ -266,8 +337,11 @@ def run(rounds: int, calls: int) -> dict:
     batch = {k: jnp.asarray(v) for k, v in minilm_model.tokenize(tokenizer, SENTENCES).items()}
     float_bytes = jq.tree_nbytes(params)
     fns, rows, ref = {}, [], None
+    calibration = {k: jnp.asarray(v) for k, v in
+                   minilm_model.tokenize(tokenizer, calibration_sentences()).items()}
+    grams = input_grams(model, params, calibration)
     for variant in VARIANTS:
-        tree = quantize_params(params, variant)
+        tree = quantize_params(params, variant, grams)
         fn = encoder(model, variant.act_quant, bool(variant.kernels))
         emb = np.asarray(fn(tree, batch))
         ref = emb if ref is None else ref

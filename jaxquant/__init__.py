@@ -14,6 +14,7 @@ from jaxquant._checkpoint import load_orbax, load_safetensors, save_orbax, save_
 from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import CODEBOOKS, FORMATS, Format, get_format
+from jaxquant._gptq import gptq
 from jaxquant._packing import PackedArray, pack, pack_bits, unpack, unpack_bits
 from jaxquant._qat_dot import QATDotGeneral, qat_dot_general
 from jaxquant._qtensor import QTensor, is_qtensor
@@ -52,6 +53,7 @@ __all__ = [
     "format_name",
     "format_report",
     "get_format",
+    "gptq",
     "is_qtensor",
     "load_orbax",
     "load_safetensors",

@@ -20,23 +20,97 @@ and it is still in cache when the dot reads it (0.85-0.95x the float model's
 time instead of 1.2-1.5x). Other backends get the plain dot. (Under ``vmap``
 over the weights themselves the predicate is batched and both branches run;
 ``lax.scan`` over stacked layers keeps one.)
+
+On CPU a large weight is also streamed when the other operand has few rows
+(16 to 256 free elements: the dot is bound by reading the weight, not by
+arithmetic): its rows along a contracted leading axis are dequantized and
+multiplied in chunks of at most 2 MiB of float32 (`stream_rows`), each inside
+its own ``lax.cond``, and the partial products summed in float32. The float
+weight then never exists whole, and each chunk is still in cache when its dot
+reads it. For four 1024 x 1024 layers at batch 32 this took weight-only int8
+from 1.2-1.3x to 0.95-1.0x the float model's time (temporaries 16 -> 2.3 MiB),
+four 4096 x 4096 layers from 1.3x to 0.65x; with many rows (compute-bound
+dots) or one row and a small weight, chunks cost more than they save.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from jaxquant._granularity import Layout, apply_grouped
+from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
 
 __all__ = ["weight_only_dot"]
 
 _is_q = is_qtensor
+
+STREAM_BYTES = 2 * 2**20  # float32 bytes of weight dequantized per step when streaming
+STREAM_MAX_ROWS = 256  # streams only for at most this many rows of the other operand,
+STREAM_MIN_ROWS = 16  # and at least this many unless the float weight exceeds
+STREAM_LARGE_BYTES = 16 * 2**20  # this many bytes
+STREAM_UNROLL = 8  # chunks up to this many are unrolled, more run in a loop
+
+
+def stream_rows(qt, contract: tuple, batch: tuple, other_rows: int) -> int | None:
+    """Rows of ``qt`` (along axis 0) to dequantize per step, or None for all at once.
+
+    A weight is streamed when its leading axis is contracted, the other operand
+    has `STREAM_MIN_ROWS` to `STREAM_MAX_ROWS` rows (its free elements; fewer
+    when the weight's float32 values take more than `STREAM_LARGE_BYTES`), the
+    float32 values (of one phase, for packed codes) take more than
+    `STREAM_BYTES`, and the rows split evenly into chunks of at most
+    `STREAM_BYTES` that keep whole scale blocks and whole packed bytes.
+    """
+    if not _is_q(qt) or 0 not in contract or batch or _is_q(qt.scale) \
+            or qt.layout.kind == "tile" or other_rows > STREAM_MAX_ROWS:
+        return None
+    rows, row_bytes = qt.shape[0], 4 * math.prod(qt.shape[1:])
+    step = qt.block_size if qt.layout.kind == "block" and qt.axis == 0 else 1
+    if qt.packed and qt.qvalue.axis == 0:
+        if 8 % qt.format.bits:
+            return None
+        step = math.lcm(step, 8 // qt.format.bits)
+    if _split_layout(qt, contract, batch):  # dequantized phase by phase, 1 / per at a time
+        row_bytes //= 8 // qt.format.bits
+    if rows * row_bytes <= STREAM_BYTES or (
+            other_rows < STREAM_MIN_ROWS and rows * row_bytes <= STREAM_LARGE_BYTES):
+        return None
+    for n in range(2, rows // step + 1):  # the fewest chunks that fit
+        if rows % n == 0 and (rows // n) % step == 0 and rows // n * row_bytes <= STREAM_BYTES:
+            return rows // n
+    return None
+
+
+def _rows(qt: QTensor, start, rows: int) -> QTensor:
+    """Rows ``start : start + rows`` of ``qt`` along axis 0 (``start`` may be traced)."""
+    def cut(a, per):  # dim 0 of a array holding one entry per ``per`` rows
+        return lax.dynamic_slice_in_dim(a, start // per, rows // per, axis=0)
+
+    layout = qt.layout
+    if layout.kind == "tensor" or layout.kind == "axis" and layout.axis != 0:
+        scale, zero_point = qt.scale, qt.zero_point
+    else:
+        per = layout.block_size if layout.kind == "block" and layout.axis == 0 else 1
+        scale = cut(qt.scale, per)
+        zero_point = None if qt.zero_point is None else cut(qt.zero_point, per)
+    codes = qt.qvalue
+    shape = (rows,) + tuple(qt.shape[1:])
+    if isinstance(codes, PackedArray):
+        per = 8 // qt.format.bits if codes.axis == 0 else 1
+        codes = dataclasses.replace(codes, data=cut(codes.data, per), shape=shape)
+    else:
+        codes = cut(codes, 1)
+    return QTensor(codes, scale, zero_point, axis=qt.axis, block_size=qt.block_size,
+                   dtype=qt.dtype, codebook=qt.codebook)
 
 
 def _split_layout(op, contract: tuple, batch: tuple) -> Layout | None:
@@ -86,12 +160,11 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
     """
     contract, batch = dims
 
-    def float_dot(a, b):
-        return lax.dot_general(a, b, dims, precision=precision,
-                               preferred_element_type=preferred_element_type,
-                               out_sharding=out_sharding)
+    def dot(*ops, preferred=preferred_element_type):
+        def float_dot(a, b):
+            return lax.dot_general(a, b, dims, precision=precision,
+                                   preferred_element_type=preferred, out_sharding=out_sharding)
 
-    def dot(*ops):
         ops = list(ops)
         split = [i for i in (0, 1) if _split_layout(ops[i], contract[i], batch[i])][:1]
         for i in (0, 1):
@@ -123,11 +196,46 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         y = y.reshape(y.shape[:k] + (m * per,) + y.shape[k + 2:])
         return lax.slice_in_dim(y, 0, qt.shape[p], axis=k)
 
-    def cpu(lhs, rhs):  # see the module docstring: schedules the dequantize next to its dot
-        s = (lhs if _is_q(lhs) else rhs).scale
+    def scheduled(fn, *args):  # see the module docstring: the dequantize waits for its dot
+        qt = next(a for a in args if _is_q(a))
+        s = qt.scale
         while _is_q(s):  # a two-level scale: its float32 tensor scale
             s = s.scale
         s = jnp.max(s.astype(jnp.float32))  # a scalar on any sharding
-        return lax.cond(s == s, dot, dot, lhs, rhs)  # same branches: the predicate is moot
+        return lax.cond(s == s, fn, fn, *args)  # same branches: the predicate is moot
+
+    def streamed(lhs, rhs, i: int, rows: int):  # see the module docstring
+        c = contract[1 - i][contract[i].index(0)]
+
+        def part(weight, other, start):
+            o = lax.dynamic_slice_in_dim(other, start, rows, axis=c)
+            w = _rows(weight, start, rows)
+            return dot(w, o, preferred=acc) if i == 0 else dot(o, w, preferred=acc)
+
+        weight, other = (lhs, rhs) if i == 0 else (rhs, lhs)
+        out = np.dtype(preferred_element_type or other.dtype)  # the unstreamed dot's dtype
+        acc = out if out.itemsize >= 4 else np.dtype(np.float32)  # sums in float32 at least
+        first = scheduled(part, weight, other, 0)
+
+        def step(k, y):
+            return y + scheduled(part, weight, other, k * rows)
+
+        n, y = weight.shape[0] // rows, first
+        if n <= STREAM_UNROLL:  # a while loop costs more than a few calls
+            y = functools.reduce(lambda y, k: step(k, y), range(1, n), y)
+        else:
+            y = lax.fori_loop(1, n, step, y)
+        return y.astype(out)
+
+    def cpu(lhs, rhs):
+        for i in (0, 1):
+            other = (lhs, rhs)[1 - i]
+            free = math.prod(n for d, n in enumerate(other.shape)
+                             if d not in contract[1 - i] and d not in batch[1 - i])
+            rows = None if _is_q(other) or out_sharding is not None \
+                else stream_rows((lhs, rhs)[i], contract[i], batch[i], free)
+            if rows:
+                return streamed(lhs, rhs, i, rows)
+        return scheduled(dot, lhs, rhs)
 
     return lax.platform_dependent(lhs, rhs, cpu=cpu, default=dot)

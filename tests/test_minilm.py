@@ -43,7 +43,13 @@ def loaded():
     model, params, tokenizer = minilm_model.load()
     batch = {k: jnp.asarray(v) for k, v in
              minilm_model.tokenize(tokenizer, minilm.SENTENCES).items()}
+    calibration = {k: jnp.asarray(v) for k, v in
+                   minilm_model.tokenize(tokenizer, minilm.calibration_sentences()).items()}
+    _grams["grams"] = minilm.input_grams(model, params, calibration)
     return model, params, batch
+
+
+_grams = {}
 
 
 _cache = {}
@@ -53,7 +59,7 @@ def embed(loaded, variant):
     """The variant's embeddings of the 40 sentences (computed once per module)."""
     if variant.name not in _cache:
         model, params, batch = loaded
-        tree = minilm.quantize_params(params, variant)
+        tree = minilm.quantize_params(params, variant, _grams["grams"])
         fn = minilm.encoder(model, variant.act_quant, bool(variant.kernels))
         _cache[variant.name] = np.asarray(fn(tree, batch))
     return _cache[variant.name]
@@ -101,6 +107,24 @@ def test_int4_block32_keeps_retrieval(loaded):
     cos = cosines(ours, ref)
     assert cos.min() >= 0.88 and cos.mean() >= 0.95
     np.testing.assert_array_equal(minilm.nearest(ours), np.arange(len(ours)) ^ 1)
+
+
+def test_calibration_sentences_and_grams(loaded):
+    sentences = minilm.calibration_sentences()
+    assert len(sentences) == 128 and not set(sentences) & set(minilm.SENTENCES)
+    grams = _grams["grams"]
+    assert len(grams) == 36  # every Dense layer
+    h = grams["encoder/layer_0/output/dense"]
+    assert h.shape == (1536, 1536)
+    np.testing.assert_allclose(h, h.T, rtol=1e-5, atol=1e-3 * np.abs(h).max())
+    assert np.all(np.diag(h) >= 0)
+
+
+def test_gptq_int4_closer_to_float_than_round_to_nearest(loaded):
+    ref = embed(loaded, minilm.VARIANTS[0])
+    rtn = cosines(embed(loaded, INT4), ref)
+    gptq = cosines(embed(loaded, VARIANTS["int4 block 32 packed, weight-only, GPTQ"]), ref)
+    assert gptq.mean() > rtn.mean() + 0.005 and gptq.min() > rtn.min()
 
 
 def test_packed_and_unpacked_int4_agree(loaded):

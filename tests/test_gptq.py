@@ -1,0 +1,137 @@
+"""GPTQ against a float64 NumPy transcription of the paper's Algorithm 1, and its properties:
+round to nearest when inputs are uncorrelated, less output error than round to nearest
+otherwise, the same QTensor layout as `quantize`, clear argument errors."""
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+
+def _paper_gptq(w, h, qmin, qmax, block_size=None, damp=0.01, act_order=False):
+    """Frantar et al. 2023, Algorithm 1 (no lazy batches), float64, symmetric absmax scales.
+
+    ``w`` is ``(in, out)``; the paper's columns are its rows here. Block scales come from
+    the rows as updated when a block starts (from ``w`` itself with ``act_order``).
+    """
+    w0 = w.astype(np.float64)
+    h = h.astype(np.float64).copy()
+    h[np.diag(h) == 0, np.diag(h) == 0] = 1
+    k = w.shape[0]
+    perm = np.argsort(-np.diag(h), kind="stable") if act_order else np.arange(k)
+    wk, h = w0[perm].copy(), h[np.ix_(perm, perm)]
+    h += damp * np.mean(np.diag(h)) * np.eye(k)
+    u = np.linalg.cholesky(np.linalg.inv(h)).T
+    q = np.zeros_like(wk)
+    scale = np.abs(w0).max(0) / qmax
+    for i in range(k):
+        if block_size is not None:
+            g = perm[i] // block_size
+            if act_order:
+                scale = np.abs(w0[g * block_size:(g + 1) * block_size]).max(0) / qmax
+            elif i % block_size == 0:
+                scale = np.abs(wk[i:i + block_size]).max(0) / qmax
+        q[i] = np.clip(np.round(wk[i] / scale), qmin, qmax) * scale
+        e = (wk[i] - q[i]) / u[i, i]
+        wk[i:] -= np.outer(u[i, i:], e)
+    return q[np.argsort(perm)]
+
+
+def _data(k=256, n=96, rows=1024, seed=0):
+    rng = np.random.default_rng(seed)
+    mix = np.eye(k) + 0.3 * rng.standard_normal((k, k)) / np.sqrt(k)
+    x = (rng.standard_normal((rows, k)) @ mix).astype(np.float32)
+    x[:, 3] *= 20  # an outlier input feature
+    return x, rng.standard_normal((k, n)).astype(np.float32)
+
+
+def _output_error(x, w, q):
+    return float(np.sum((x.astype(np.float64) @ (w - np.asarray(q, np.float64))) ** 2))
+
+
+@pytest.mark.parametrize("dtype,qmin,qmax,kw", [
+    (jnp.int8, -127, 127, dict()),
+    (jnp.int4, -7, 7, dict()),
+    (jnp.int4, -7, 7, dict(axis=0, block_size=32)),
+    (jnp.int4, -7, 7, dict(axis=0, block_size=32, act_order=True)),
+    (jnp.int4, -7, 7, dict(act_order=True)),
+])
+def test_matches_the_papers_algorithm(dtype, qmin, qmax, kw):
+    x, w = _data()
+    qt = jq.gptq(w, x.T @ x, dtype=dtype, **kw)
+    ours = np.asarray(jq.dequantize(qt))
+    ref = _paper_gptq(w, x.T @ x, qmin, qmax, kw.get("block_size"),
+                      act_order=kw.get("act_order", False))
+    # float32 here, float64 there: a few rows round the other way, and the errors then
+    # propagate; the output error stays the same.
+    assert np.mean(np.abs(ours - ref) > 1e-5 * np.abs(ref).max()) < 0.01
+    assert _output_error(x, w, ours) == pytest.approx(_output_error(x, w, ref), rel=5e-3)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dtype=jnp.int8), dict(dtype=jnp.int4, axis=0, block_size=16),
+    dict(dtype=jnp.uint8, symmetric=False), dict(dtype=jnp.float8_e4m3fn),
+    dict(dtype=jnp.int4, axis=0, block_size=16, act_order=True),
+])
+def test_uncorrelated_inputs_give_round_to_nearest(kw):
+    # A diagonal H couples no rows: nothing to compensate, the codes are quantize's.
+    _, w = _data(k=64, n=24)
+    h = np.diag(np.random.default_rng(1).uniform(0.5, 2.0, 64)).astype(np.float32)
+    qt = jq.gptq(w, h, damp=0.0, **kw)
+    rtn = jq.quantize(w, dtype=kw["dtype"], axis=kw.get("axis", -1),
+                      block_size=kw.get("block_size"), symmetric=kw.get("symmetric", True))
+    np.testing.assert_array_equal(np.asarray(qt.qvalue), np.asarray(rtn.qvalue))
+    np.testing.assert_array_equal(np.asarray(qt.scale), np.asarray(rtn.scale))
+
+
+@pytest.mark.parametrize("kw", [
+    dict(dtype=jnp.int8), dict(dtype=jnp.int4, axis=0, block_size=32),
+    dict(dtype=jnp.uint4, symmetric=False), dict(dtype=jnp.float8_e4m3fn),
+    dict(dtype="nf4", axis=0, block_size=64), dict(dtype=jnp.int4, act_order=True),
+])
+def test_less_output_error_than_round_to_nearest(kw):
+    x, w = _data(seed=2)
+    qt = jq.gptq(w, x.T @ x, **kw)
+    rtn = jq.quantize(w, dtype=kw["dtype"], axis=kw.get("axis", -1),
+                      block_size=kw.get("block_size"), symmetric=kw.get("symmetric", True))
+    assert _output_error(x, w, qt.dequantize()) < 0.8 * _output_error(x, w, rtn.dequantize())
+
+
+def test_same_layout_as_quantize_and_usable_everywhere():
+    x, w = _data(k=128, n=64)
+    wb = jnp.asarray(w, jnp.bfloat16)
+    qt = jq.gptq(wb, x.T @ x, dtype=jnp.int4, axis=0, block_size=32)
+    rtn = jq.quantize(wb, dtype=jnp.int4, axis=0, block_size=32)
+    assert (qt.shape, qt.axis, qt.block_size, qt.scale.shape, qt.dtype) == \
+        (rtn.shape, rtn.axis, rtn.block_size, rtn.scale.shape, jnp.bfloat16)
+    packed = jq.pack(qt, axis=0)
+    y = jq.qdot_general(jnp.asarray(x[:8]), packed, (((1,), (0,)), ((), ())))
+    np.testing.assert_allclose(np.asarray(y), x[:8] @ np.asarray(qt.dequantize(jnp.float32)),
+                               rtol=1e-4, atol=1e-3)
+    per_channel = jq.gptq(w, x.T @ x)  # scales: quantize's own, per output channel
+    np.testing.assert_array_equal(np.asarray(per_channel.scale),
+                                  np.asarray(jq.quantize(w, axis=-1).scale))
+
+
+def test_inputs_never_seen_stay_finite():
+    x, w = _data(k=64, n=16)
+    x[:, 5] = 0.0  # H[5, :] = H[:, 5] = 0
+    qt = jq.gptq(w, x.T @ x, dtype=jnp.int4)
+    assert np.all(np.isfinite(np.asarray(qt.dequantize())))
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(hessian=np.eye(5)), r"hessian must have shape \(in, in\) = \(8, 8\).*\(5, 5\)"),
+    (dict(w=np.ones((2, 4, 4))), "w must be a 2-D float kernel.*got shape"),
+    (dict(w=np.ones((8, 4), np.int32)), "w must be a 2-D float kernel.*int32"),
+    (dict(axis=0), "axis must be -1 or 1.*got axis=0"),
+    (dict(axis=1, block_size=4), "with block_size, axis must be 0.*got axis=1"),
+    (dict(axis=0, block_size=3), "block_size must be a positive int dividing in=8, got 3"),
+    (dict(damp=-0.1), "damp must be a non-negative number, got -0.1"),
+])
+def test_argument_errors(kw, match):
+    args = dict(w=np.ones((8, 4), np.float32), hessian=np.eye(8, dtype=np.float32))
+    args.update(kw)
+    with pytest.raises(ValueError, match=match):
+        jq.gptq(args.pop("w"), args.pop("hessian"), **args)
