@@ -11,6 +11,8 @@ first `re.search` match on the ``/``-joined module path wins):
 * **Inference** on `jaxquant.QTensor` kernels: `QuantizedLinen.quantize_params`
   / `nnx_quantize` convert the trained kernels, then the same model runs
   weight-only (dequantized inside the jitted dot) or int8 x int8 -> int32.
+  With Gram matrices of calibration inputs (`QuantizedLinen.input_grams`,
+  `nnx_input_grams`), ``Dense`` / ``Linear`` kernels are quantized with GPTQ.
 
 Covered layers: linen ``Dense``, ``DenseGeneral``, ``Conv``, ``Einsum``,
 ``Embed``; nnx ``Linear``, ``LinearGeneral``, ``Conv``, ``Einsum``, ``Embed``.
@@ -19,12 +21,19 @@ Flax is imported only here, never by the core.
 
 from jaxquant.flax._rules import ActSpec, QuantConfig
 from jaxquant.flax.linen import QuantizedLinen, quantize_linen
-from jaxquant.flax.nnx import nnx_layers, nnx_qat, nnx_quantize, nnx_unused_rules
+from jaxquant.flax.nnx import (
+    nnx_input_grams,
+    nnx_layers,
+    nnx_qat,
+    nnx_quantize,
+    nnx_unused_rules,
+)
 
 __all__ = [
     "ActSpec",
     "QuantConfig",
     "QuantizedLinen",
+    "nnx_input_grams",
     "nnx_layers",
     "nnx_qat",
     "nnx_quantize",

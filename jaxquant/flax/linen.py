@@ -24,6 +24,7 @@ import numpy as np
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
 from jaxquant._quantize import quantize
+from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, record_gram
 from jaxquant.flax._ops import (
     InferConv,
     InferDot,
@@ -286,25 +287,77 @@ class QuantizedLinen:
         """
         return unused(self._survey(variables, args, kwargs), self.rules)
 
-    def quantize_params(self, variables, *args, **kwargs):
+    def input_grams(self, variables, *args, **kwargs) -> dict[str, jax.Array]:
+        """Gram matrices of the inputs of ``Dense`` layers with a weight rule, for GPTQ.
+
+        Runs the float model once (jitted) on a calibration batch and returns, per
+        layer path, ``x^T x`` over the layer's input rows (every leading axis,
+        padding included: pass real tokens only where that matters). Grams add
+        up: sum the dicts of several batches with ``jax.tree.map(jnp.add, a, b)``.
+
+        Args:
+          variables: the float model's variables.
+          *args: a calibration batch (the model's inputs).
+          **kwargs: keyword arguments of ``module.apply``.
+
+        Returns:
+          ``{path: float32 (in, in) array}``, for `quantize_params` ``grams=``.
+
+        Raises:
+          ValueError: the layers run inside ``nn.scan`` / ``nn.remat`` (not recorded).
+        """
+        compiled = self._compiled
+
+        def run(variables, *args):
+            grams: dict = {}
+
+            def intercept(next_fun, a, k, context):
+                m = context.module
+                if context.method_name == "__call__" and isinstance(m, nn.Dense):
+                    cfg, _ = select("/".join(m.path), compiled)
+                    if cfg is not None and cfg.weight is not None:
+                        record_gram(grams, "/".join(m.path), a[0])
+                return next_fun(*a, **k)
+
+            with nn.intercept_methods(intercept):
+                self.module.apply(variables, *args, **kwargs)
+            return grams
+
+        try:
+            return jax.jit(run)(variables, *args)
+        except jax.errors.UnexpectedTracerError as e:
+            raise ValueError("input_grams records Dense layers called directly by the model; "
+                             "layers inside nn.scan / nn.remat are not supported.") from e
+
+    def quantize_params(self, variables, *args, grams: dict | None = None, **kwargs):
         """``variables`` with the kernels of selected layers as `QTensor` leaves.
 
         Each kernel is quantized with its rule's ``weight`` spec (packed int4
         allowed), with its learned ``"quant"`` scale if it has one, else with
-        computed scales (the values fake quantization trained with). Kernels
-        stacked by ``nn.scan`` are quantized layer by layer. The model's inputs
-        (``*args``, ``**kwargs``) are needed to find the layers; ``apply`` is
-        traced abstractly.
+        computed scales (the values fake quantization trained with), or with
+        GPTQ (`jaxquant.gptq`) where ``grams`` has the layer's input Gram matrix.
+        Kernels stacked by ``nn.scan`` are quantized layer by layer. The model's
+        inputs (``*args``, ``**kwargs``) are needed to find the layers; ``apply``
+        is traced abstractly.
 
         Args:
           variables: trained variables (``"params"``, and ``"quant"`` for learned scales).
           *args: the model's inputs.
+          grams: ``{path: x^T x}`` from `input_grams`, or None (no GPTQ).
           **kwargs: keyword arguments of ``module.apply``.
 
         Returns:
           A copy of ``variables``: quantized kernels, the ``"quant"`` collection dropped.
+
+        Raises:
+          ValueError: a gram for no covered layer, or for a layer GPTQ cannot
+            quantize (learned scale, a kernel not ``(in, out)``, scales stored in
+            another format, a layout other than per output channel or blocked
+            along the input axis).
         """
         record = self._survey(variables, args, kwargs)
+        if grams is not None:
+            check_gptq_layers(grams, {p: (r[3], r[2]) for p, r in record.items()})
         out = jax.tree.map(lambda x: x, dict(variables), is_leaf=is_qtensor)
         quant = out.pop("quant", {})
         for path, (_, name, ndim, cfg) in record.items():
@@ -318,6 +371,12 @@ class QuantizedLinen:
             if is_qtensor(leaf):
                 continue
             scale = qnode.get(name + "_scale") if cfg.learn_scale else None
+            if grams is not None and path in grams:
+                if leaf.ndim != 2:
+                    raise ValueError(f"grams[{path!r}] cannot be used: the kernel is stacked "
+                                     f"(shape {leaf.shape}), not (in, out).")
+                node[name] = gptq_kernel(leaf, grams[path], spec)
+                continue
             if scale is None:
                 fn, operands = spec, (leaf,)
             else:

@@ -14,11 +14,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 from flax import nnx
 
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
 from jaxquant._quantize import quantize
+from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel
 from jaxquant.flax._ops import (
     InferConv,
     InferDot,
@@ -30,7 +32,8 @@ from jaxquant.flax._ops import (
 )
 from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
 
-__all__ = ["LearnedScale", "nnx_layers", "nnx_qat", "nnx_quantize", "nnx_unused_rules"]
+__all__ = ["LearnedScale", "nnx_input_grams", "nnx_layers", "nnx_qat", "nnx_quantize",
+           "nnx_unused_rules"]
 
 LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.Einsum, nnx.Embed)
 
@@ -190,7 +193,46 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
     return model
 
 
-def nnx_quantize(model: nnx.Module, rules: Rules) -> nnx.Module:
+def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[str, jax.Array]:
+    """Gram matrices of the inputs of ``Linear`` layers with a weight rule, for GPTQ.
+
+    Calls ``model(*args, **kwargs)`` once (eagerly) on a calibration batch with a
+    recording ``dot_general`` on each such layer, removed afterwards, and returns
+    per layer path ``x^T x`` over the rows of the input its dot receives (every
+    leading axis). Grams add up over batches (``jax.tree.map(jnp.add, a, b)``).
+
+    Args:
+      model: a float ``nnx.Module``.
+      rules: as for `nnx_qat`.
+      *args: a calibration batch.
+      **kwargs: keyword arguments of the model's call.
+
+    Returns:
+      ``{path: float32 (in, in) array}``, for `nnx_quantize` ``grams=``.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxquant.flax import QuantConfig
+      >>> model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
+      >>> {k: v.shape for k, v in nnx_input_grams(model, QuantConfig(), jnp.ones((5, 3))).items()}
+      {'layers/0': (3, 3)}
+    """
+    grams: dict = {}
+    hooked = []
+    for path, layer, cfg in list(_walk(model, rules)):
+        if type(layer) is nnx.Linear and cfg is not None and cfg.weight is not None:
+            hooked.append((layer, layer.dot_general))
+            layer.dot_general = GramRecorder(layer.dot_general, grams, path)
+    try:
+        model(*args, **kwargs)
+    finally:
+        for layer, dot in hooked:
+            layer.dot_general = dot
+    return grams
+
+
+def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> nnx.Module:
     """Replaces the kernels of selected layers by `QTensor` values for inference, in place.
 
     Each kernel is quantized with its rule's ``weight`` spec (packed int4
@@ -203,13 +245,17 @@ def nnx_quantize(model: nnx.Module, rules: Rules) -> nnx.Module:
     Args:
       model: an ``nnx.Module``, trained float or after `nnx_qat`.
       rules: as for `nnx_qat`.
+      grams: ``{path: x^T x}`` from `nnx_input_grams`: those layers' kernels are
+        quantized with GPTQ (`jaxquant.gptq`); None: no GPTQ.
 
     Returns:
       ``model`` itself.
 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
-      ValueError: an invalid pattern; a masked ``Conv``.
+      ValueError: an invalid pattern; a masked ``Conv``; a gram for no covered
+        layer or for a layer GPTQ cannot quantize (see
+        `QuantizedLinen.quantize_params`).
 
     Example:
       >>> import jax.numpy as jnp
@@ -223,7 +269,11 @@ def nnx_quantize(model: nnx.Module, rules: Rules) -> nnx.Module:
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-    for path, layer, cfg in list(_walk(model, rules)):
+    layers = list(_walk(model, rules))
+    if grams is not None:
+        check_gptq_layers(grams, {p: (cfg, np.ndim(getattr(layer, _kernel_name(layer))[...]))
+                                  for p, layer, cfg in layers})
+    for path, layer, cfg in layers:
         if cfg is None or cfg.weight is None:
             continue
         if isinstance(layer, nnx.Conv) and layer.mask is not None:
@@ -233,7 +283,9 @@ def nnx_quantize(model: nnx.Module, rules: Rules) -> nnx.Module:
         kernel = var[...]
         if not is_qtensor(kernel):
             hook = layer.promote_dtype
-            if isinstance(hook, LearnedScale):
+            if grams is not None and path in grams:
+                kernel = gptq_kernel(kernel, grams[path], spec)
+            elif isinstance(hook, LearnedScale):
                 kernel = quantize(kernel, hook.scale[...], dtype=spec.dtype, axis=spec.axis,
                                   block_size=spec.block_size, saturate=spec.saturate,
                                   packed=spec.packed)

@@ -1,0 +1,92 @@
+"""GPTQ for Flax layers: input Gram matrices recorded on calibration batches, GPTQ kernels.
+
+`record_gram` adds ``x^T x`` of a ``Dense`` / ``Linear`` layer's input (all
+leading axes flattened into rows) to a dict keyed by the layer's path; linen
+records through a method interceptor, nnx through a recording ``dot_general``
+put on the layer for the call. `gptq_kernel` turns a float kernel into the
+`QTensor` of `jaxquant.gptq` with the layer's weight spec, after
+`check_gptq_layers` has checked that every recorded layer can take it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+
+from jaxquant._gptq import gptq
+from jaxquant._packing import pack
+from jaxquant._qtensor import QTensor
+from jaxquant._schemes import SCHEMES
+from jaxquant._tree import QuantSpec
+from jaxquant.flax._rules import QuantConfig
+
+__all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "record_gram"]
+
+
+def record_gram(grams: dict, path: str, x: jax.Array) -> None:
+    """``grams[path] += x^T x`` over ``x``'s last axis (float32)."""
+    rows = jnp.reshape(x, (-1, x.shape[-1])).astype(jnp.float32)
+    gram = rows.T @ rows
+    grams[path] = gram if path not in grams else grams[path] + gram
+
+
+@dataclasses.dataclass
+class GramRecorder:
+    """A ``dot_general`` that records its left operand's Gram matrix, then calls ``inner``."""
+
+    inner: Callable
+    grams: dict
+    path: str
+
+    def __call__(self, lhs, rhs, *args, **kwargs):
+        record_gram(self.grams, self.path, lhs)
+        return self.inner(lhs, rhs, *args, **kwargs)
+
+
+def _why_not(spec: QuantSpec | None, cfg: QuantConfig | None, kernel_ndim: int) -> str | None:
+    """Why a layer cannot be quantized by GPTQ, or None."""
+    if cfg is None or spec is None:
+        return "no rule gives it a weight spec"
+    if cfg.learn_scale:
+        return "its rule learns the weight scale (learn_scale=True)"
+    if kernel_ndim != 2:
+        return f"its kernel has {kernel_ndim} dimensions, not (in, out)"
+    if isinstance(spec.dtype, str) and spec.dtype in SCHEMES or spec.scale_dtype is not None \
+            or spec.double_quant:
+        return "its weight spec stores scales in another format (scale_dtype, double_quant, MX)"
+    if not (spec.block_size is None and spec.axis in (-1, 1)
+            or spec.axis == 0 and isinstance(spec.block_size, int)):
+        return (f"its weight spec (axis={spec.axis}, block_size={spec.block_size}) is neither "
+                f"per output channel nor blocked along the input axis")
+    return None
+
+
+def check_gptq_layers(grams: dict, layers: dict[str, tuple[QuantConfig | None, int]]) -> None:
+    """Raises a ValueError for a gram of no layer, or of a layer GPTQ cannot quantize.
+
+    Args:
+      grams: ``{path: gram}``.
+      layers: ``{path: (config, kernel ndim)}`` of the model's covered layers.
+    """
+    if not isinstance(grams, dict):
+        raise TypeError(f"grams must be a dict of {{layer path: Gram matrix}}, got "
+                        f"{type(grams).__name__}.")
+    unknown = sorted(set(grams) - set(layers))
+    if unknown:
+        raise ValueError(f"grams has entries for no covered layer of the model: {unknown}; "
+                         f"layers: {sorted(layers)}.")
+    for path in grams:
+        cfg, ndim = layers[path]
+        why = _why_not(None if cfg is None else cfg.weight, cfg, ndim)
+        if why:
+            raise ValueError(f"grams[{path!r}] cannot be used: {why}.")
+
+
+def gptq_kernel(kernel: jax.Array, gram: jax.Array, spec: QuantSpec) -> QTensor:
+    """`jaxquant.gptq` of a 2-D ``(in, out)`` kernel with ``spec``'s format and layout."""
+    qt = gptq(kernel, gram, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
+              symmetric=spec.symmetric)
+    return pack(qt) if spec.packed else qt

@@ -1,0 +1,118 @@
+"""GPTQ through jaxquant.flax: input Gram matrices recorded on linen and nnx models, GPTQ
+kernels that equal `jaxquant.gptq` and beat round to nearest on calibration outputs, and clear
+errors for grams that cannot be used."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+flax = pytest.importorskip("flax")
+import flax.linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import jaxquant as jq  # noqa: E402
+from jaxquant.flax import QuantConfig, nnx_input_grams, nnx_quantize, quantize_linen  # noqa: E402
+
+INT4 = QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=16, packed=True))
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(64, name="up")(x))
+        return nn.Dense(16, name="down")(x)
+
+
+def _calibration(n=256, k=32, seed=0):
+    rng = np.random.default_rng(seed)
+    mix = rng.standard_normal((6, k)).astype(np.float32)  # correlated features
+    return jnp.asarray(rng.standard_normal((n, 6)).astype(np.float32) @ mix)
+
+
+def _hidden(params, x):
+    return jax.nn.relu(x @ params["params"]["up"]["kernel"] + params["params"]["up"]["bias"][None])
+
+
+def test_linen_grams_are_the_layers_inputs():
+    qm = quantize_linen(MLP(), INT4)
+    x = _calibration()
+    params = qm.init(jax.random.key(0), x)
+    grams = qm.input_grams(params, x)
+    assert set(grams) == {"up", "down"}
+    np.testing.assert_allclose(grams["up"], x.T @ x, rtol=1e-5, atol=1e-3)
+    h = _hidden(params, x)
+    np.testing.assert_allclose(grams["down"], h.T @ h, rtol=1e-4, atol=1e-3)
+    half = qm.input_grams(params, x[:128])  # grams of batches add up
+    total = jax.tree.map(jnp.add, half, qm.input_grams(params, x[128:]))
+    np.testing.assert_allclose(total["up"], grams["up"], rtol=1e-4, atol=1e-2)
+
+
+def test_linen_gptq_kernels_equal_jq_gptq_and_beat_round_to_nearest():
+    qm = quantize_linen(MLP(), INT4)
+    x = _calibration()
+    params = qm.init(jax.random.key(0), x)
+    grams = qm.input_grams(params, x)
+    q = qm.quantize_params(params, x, grams=grams)
+    rtn = qm.quantize_params(params, x)
+    w = params["params"]["up"]["kernel"]
+    ref = jq.pack(jq.gptq(w, grams["up"], dtype=jnp.int4, axis=0, block_size=16))
+    np.testing.assert_array_equal(np.asarray(q["params"]["up"]["kernel"].qvalue.data),
+                                  np.asarray(ref.qvalue.data))
+    y = MLP().apply(params, x)
+    err = [float(jnp.linalg.norm(qm.apply(t, x) - y)) for t in (q, rtn)]
+    assert err[0] < 0.8 * err[1]
+
+
+def test_nnx_grams_and_gptq_quantize():
+    x = _calibration()
+    model = nnx.Sequential(nnx.Linear(32, 64, rngs=nnx.Rngs(0)), nnx.relu,
+                           nnx.Linear(64, 16, rngs=nnx.Rngs(1)))
+    y = model(x)
+    w0 = model.layers[0].kernel[...]
+    grams = nnx_input_grams(model, INT4, x)
+    assert set(grams) == {"layers/0", "layers/2"}
+    np.testing.assert_allclose(grams["layers/0"], x.T @ x, rtol=1e-5, atol=1e-3)
+    assert type(model.layers[0].dot_general) is not jq.flax._gptq.GramRecorder  # removed
+    rtn = nnx_quantize(nnx.clone(model), INT4)
+    nnx_quantize(model, INT4, grams=grams)
+    ref = jq.pack(jq.gptq(w0, grams["layers/0"], dtype=jnp.int4, axis=0, block_size=16))
+    np.testing.assert_array_equal(np.asarray(model.layers[0].kernel[...].qvalue.data),
+                                  np.asarray(ref.qvalue.data))
+    assert float(jnp.linalg.norm(model(x) - y)) < 0.8 * float(jnp.linalg.norm(rtn(x) - y))
+
+
+@pytest.mark.parametrize("rules,grams,match", [
+    (INT4, {"nope": jnp.eye(32)}, r"grams has entries for no covered layer.*\['nope'\]"),
+    ((("up", QuantConfig(weight=jq.QuantSpec(dtype="mxfp4"))), ("down", INT4)),
+     {"up": jnp.eye(32)}, r"grams\['up'\] cannot be used: .*scales in another format"),
+    ((("up", QuantConfig(weight=jq.QuantSpec(axis=0))), ("down", INT4)),
+     {"up": jnp.eye(32)}, r"grams\['up'\] cannot be used: .*axis=0, block_size=None"),
+    ((("up", None), ("down", INT4)), {"up": jnp.eye(32)},
+     r"grams\['up'\] cannot be used: no rule gives it a weight spec"),
+])
+def test_linen_unusable_grams_raise(rules, grams, match):
+    qm = quantize_linen(MLP(), rules)
+    x = _calibration(n=8)
+    params = MLP().init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=match):
+        qm.quantize_params(params, x, grams=grams)
+
+
+def test_linen_grams_under_scan_raise():
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, c, _):
+            return nn.Dense(8)(c), None
+
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.scan(Block, variable_axes={"params": 0}, split_rngs={"params": True},
+                           length=2)()(x, None)[0]
+
+    x = jnp.ones((4, 8))
+    qm = quantize_linen(Stack(), QuantConfig())
+    params = Stack().init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match="layers inside nn.scan / nn.remat are not supported"):
+        qm.input_grams(params, x)
