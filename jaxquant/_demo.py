@@ -5,8 +5,9 @@ read from the running interpreter. A small byte-level MLP language model is
 trained for a few seconds, then its parameter tree is quantized to several
 formats and granularities. For each, the demo prints the storage, the
 signal-to-quantization-noise ratio, the largest error, the time to quantize
-the whole tree (compiled), and the validation loss and next-byte accuracy of
-the jitted model run on the quantized parameters: every dense layer is a
+the whole tree (compiled; "GPTQ": `jaxquant.gptq` of the dense kernels with
+their inputs' Gram matrices over training windows), and the validation loss
+and next-byte accuracy of the jitted model run on the quantized parameters: every dense layer is a
 `jaxquant.qdot_general` (weight-only: the codes are dequantized inside the
 same program; "W8A8": int8 x int8 -> int32 with activations quantized on the
 fly). The per-leaf report of one quantized tree follows the table. With
@@ -157,6 +158,27 @@ def sqnr_db(reference: dict, approx: dict) -> tuple[float, float]:
     return (math.inf if err == 0 else 10 * math.log10(sig / err)), worst
 
 
+def input_grams(params: dict, tokens: jax.Array) -> dict[str, jax.Array]:
+    """``x^T x`` of each dense layer's input when the float model reads ``tokens``."""
+    h = params["embed"]["embedding"][tokens].reshape(tokens.shape[0], -1)
+    grams = {}
+    for name in ("dense_0", "dense_1"):
+        grams[name] = h.T @ h
+        h = jax.nn.gelu(h @ params[name]["kernel"] + params[name]["bias"][None, :])
+    grams["head"] = h.T @ h
+    return grams
+
+
+def gptq_tree(params: dict, grams: dict, spec: jq.QuantSpec) -> dict:
+    """``params`` with the dense kernels quantized by `jaxquant.gptq`, the table by ``spec``."""
+    out = jq.quantize_tree(params, [("embed", spec)])
+    for name, gram in grams.items():
+        qt = jq.gptq(params[name]["kernel"], gram, dtype=spec.dtype, axis=spec.axis,
+                     block_size=spec.block_size)
+        out[name] = {**out[name], "kernel": jq.pack(qt) if spec.packed else qt}
+    return out
+
+
 def median_time(fn: Callable[[], object], repeats: int = 5) -> float:
     """Median wall time of ``fn()`` in seconds (results blocked on)."""
     times = []
@@ -183,6 +205,7 @@ CONFIGS: list[tuple[str, str, jq.QuantSpec | None]] = [
     ("mxfp4", "block 32", jq.QuantSpec(dtype="mxfp4", axis=0, packed=True)),
     ("nvfp4", "block 16", jq.QuantSpec(dtype="nvfp4", axis=0, packed=True)),
     ("int2", "block 16", jq.QuantSpec(dtype=jnp.int2, axis=0, block_size=16, packed=True)),
+    ("int2 GPTQ", "block 16", jq.QuantSpec(dtype=jnp.int2, axis=0, block_size=16, packed=True)),
 ]
 
 
@@ -201,6 +224,7 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print,
     print_fn(f"trained a byte-level MLP ({jq.tree_nbytes(params):,} bytes of float32 "
              f"parameters) for {steps} steps in {time.perf_counter() - t0:.1f} s")
     val = [next(batches(val_data, 4096, seed=1)) for _ in range(2)]
+    grams = jax.jit(input_grams)(params, next(batches(train_data, 4096, seed=2))[0])
 
     @functools.partial(jax.jit, static_argnums=1)
     def evaluate(p, act_quant):
@@ -215,6 +239,8 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print,
                 qparams, seconds = params, math.nan
             else:
                 convert = jax.jit(lambda p, rules=rules: jq.quantize_tree(p, rules))
+                if "GPTQ" in fmt:  # calibrated on 4096 training windows
+                    convert = jax.jit(lambda p, spec=spec: gptq_tree(p, grams, spec))
                 qparams = convert(params)
                 seconds = median_time(lambda convert=convert: convert(params))
             snr, worst = sqnr_db(params, jq.dequantize_tree(qparams))
@@ -226,7 +252,8 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print,
             reports[fmt, gran] = qparams
     print_fn(format_table(rows))
     print_fn("time ms: compiled quantize_tree of the whole tree (median of 5); dense layers "
-             "run as jq.qdot_general: weight-only, or int8 x int8 -> int32 (W8A8)")
+             "run as jq.qdot_general: weight-only, or int8 x int8 -> int32 (W8A8); GPTQ: "
+             "jq.gptq with each dense layer's input Gram matrix over 4096 training windows")
     print_fn("\nper-leaf report, int4 blocks of 32 along the input axis:")
     print_fn(format_report(quantization_report(params, reports["int4", "block 32"])))
     print_fn(f"total {time.perf_counter() - t0:.1f} s")

@@ -38,6 +38,9 @@ def test_demo_table_runs_quantized_model():
     assert abs(loss[("int8 W8A8", "per-channel")] - base) < 0.01 * base
     assert loss[("int2", "block 16")] > loss[("int4", "block 32")] > base
     assert acc[("int2", "block 16")] < acc[("float32", "-")] - 5 and acc[("float32", "-")] > 30
+    # GPTQ: the same int2 codes' bytes, rounding errors compensated on training inputs
+    assert ratio[("int2 GPTQ", "block 16")] == ratio[("int2", "block 16")]
+    assert base < loss[("int2 GPTQ", "block 16")] < loss[("int2", "block 16")] - 0.1
     assert 0.25 < ratio[("int8", "per-channel")] < 0.26
     assert ratio[("int8 W8A8", "per-channel")] == ratio[("int8", "per-channel")]
     assert 0.12 < ratio[("int4", "per-channel")] < 0.135
