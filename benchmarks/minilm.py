@@ -24,7 +24,7 @@ float32. "absmax" scales are ``quantize_tree``'s computed ones; "clip search"
 scales are, per scale group, the absmax scale times the ratio in
 ``0.50, 0.52, ..., 1.00`` with the least squared weight error (`clip_searched`).
 "GPTQ" kernels come from `jaxquant.gptq` with each Dense layer's input Gram
-matrix over 128 calibration sentences taken from standard-library docstrings
+matrix over the 470 calibration sentences of standard-library docstrings
 (`calibration_sentences`, never the evaluation sentences; padding excluded).
 
 Results go to ``benchmarks/results/minilm.json`` and ``.md``.
@@ -215,13 +215,21 @@ CALIBRATION_MODULES = (
     "argparse", "bisect", "collections", "csv", "datetime", "decimal", "email", "fractions",
     "functools", "heapq", "http", "itertools", "json", "logging", "os", "pathlib", "queue",
     "random", "re", "shutil", "sqlite3", "statistics", "string", "subprocess", "tempfile",
-    "textwrap", "threading", "unittest", "urllib", "zipfile",
+    "textwrap", "threading", "unittest", "urllib", "zipfile", "abc", "ast", "base64",
+    "calendar", "codecs", "configparser", "contextlib", "copy", "dataclasses", "difflib",
+    "dis", "doctest", "enum", "filecmp", "fileinput", "fnmatch", "getopt", "gettext", "glob",
+    "gzip", "hashlib", "hmac", "inspect", "ipaddress", "locale", "mailbox", "mimetypes",
+    "numbers", "operator", "optparse", "pickle", "platform", "plistlib", "pprint", "pstats",
+    "pydoc", "reprlib", "sched", "secrets", "selectors", "shelve", "shlex", "signal",
+    "smtplib", "socketserver", "struct", "tarfile", "timeit", "tokenize", "trace",
+    "traceback", "types", "typing", "uuid", "warnings", "weakref",
 )
 """Standard-library modules whose docstrings give GPTQ's calibration sentences."""
 
 
-def calibration_sentences(count: int = 128) -> list[str]:
-    """The first ``count`` sentences (30-200 characters) of `CALIBRATION_MODULES`' docstrings.
+def calibration_sentences(count: int | None = None) -> list[str]:
+    """The sentences (30-200 characters) of `CALIBRATION_MODULES`' docstrings, the first
+    ``count`` of them (None: all, 470 on Python 3.11).
 
     Real English every Python install carries, and none of the evaluation `SENTENCES`.
     """
