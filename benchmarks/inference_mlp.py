@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxquant as jq
-from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
+from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general
+from jaxquant._einsum import qeinsum
 
 try:  # python -m benchmarks.inference_mlp
     from benchmarks._harness import machine_info, ratio_record, write_report

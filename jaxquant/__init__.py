@@ -11,7 +11,8 @@ runs dots on `QTensor` operands (int8 x int8 -> int32, weight-only int8/int4/fp8
 
 from jaxquant import calibration
 from jaxquant._checkpoint import load_orbax, load_safetensors, save_orbax, save_safetensors
-from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
+from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general
+from jaxquant._einsum import qeinsum
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import CODEBOOKS, FORMATS, Format, get_format
 from jaxquant._gptq import gptq

@@ -11,7 +11,8 @@ import pytest
 from jaxpr_utils import find_eqns
 
 import jaxquant as jq
-from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general, qeinsum
+from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general
+from jaxquant._einsum import qeinsum
 
 DN = (((1,), (0,)), ((), ()))  # x (batch, in) . w (in, out)
 W8A8 = ActQuant()

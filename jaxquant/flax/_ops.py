@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from jaxquant._dot import ActQuant, qdot_general, qeinsum
+from jaxquant._dot import ActQuant, qdot_general
+from jaxquant._einsum import qeinsum
 from jaxquant._fake_quant import fake_quant
 from jaxquant._packing import unpack
 from jaxquant._qtensor import QTensor, is_qtensor, scale_values

@@ -1,0 +1,71 @@
+"""`qeinsum`: two-operand einsum on `QTensor` operands, as a `qdot_general`."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+from jax.typing import DTypeLike
+
+from jaxquant._dot import ActQuant, qdot_general
+from jaxquant._qtensor import is_qtensor
+
+__all__ = ["qeinsum"]
+
+_is_q = is_qtensor
+
+
+def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
+            preferred_element_type: DTypeLike | None = None,
+            act_quant: ActQuant | None = None) -> jax.Array:
+    """Two-operand ``jnp.einsum`` through `qdot_general`: either operand may be a `QTensor`.
+
+    Letters in both operands are contracted (absent from the output) or batch
+    dimensions (present); the other letters must appear in the output.
+
+    Args:
+      subscripts: ``"ab,bc->ac"``; without ``->`` the output is the letters
+        that occur once, sorted (as NumPy). No ellipsis or repeated letters.
+      lhs: a float array or a `QTensor`.
+      rhs: a float array or a `QTensor`.
+      precision: see `qdot_general`.
+      preferred_element_type: see `qdot_general`.
+      act_quant: see `qdot_general`.
+
+    Returns:
+      The einsum, its axes in the output letters' order.
+
+    Raises:
+      ValueError: subscripts outside this two-operand form, or not matching the ranks.
+
+    Example:
+      >>> import jaxquant as jq
+      >>> w = jq.quantize(jnp.array([[1.0, -2.0], [0.5, 4.0]]), jnp.float32(0.5))
+      >>> qeinsum("ij,bi->bj", w, jnp.array([[1.0, 3.0]]))
+      Array([[ 2.5, 10. ]], dtype=float32)
+    """
+    m = re.fullmatch(r"\s*([a-zA-Z]*)\s*,\s*([a-zA-Z]*)\s*(?:->\s*([a-zA-Z]*)\s*)?", subscripts)
+    if m is None:
+        raise ValueError(f"subscripts must look like 'ab,bc->ac' (two operands, letters only, "
+                         f"no ellipsis), got {subscripts!r}.")
+    a, b, out = m.groups()
+    if out is None:
+        out = "".join(sorted(c for c in set(a + b) if (a + b).count(c) == 1))
+    for name, s, op in (("lhs", a, lhs), ("rhs", b, rhs), ("output", out, None)):
+        if len(set(s)) != len(s):
+            raise ValueError(f"{name} subscripts {s!r} repeat a letter; not supported.")
+        ndim = None if op is None else op.ndim if _is_q(op) else jnp.ndim(op)
+        if ndim is not None and len(s) != ndim:
+            raise ValueError(f"{name} subscripts {s!r} name {len(s)} axes, but {name} has rank "
+                             f"{ndim}.")
+    if (set(a) ^ set(b)) - set(out) or set(out) - set(a + b):
+        raise ValueError(f"in {subscripts!r}, every letter of only one operand must be in the "
+                         f"output and every output letter in an operand.")
+    batch = [c for c in a if c in b and c in out]
+    contract = [c for c in a if c in b and c not in out]
+    dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
+            (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
+    y = qdot_general(lhs, rhs, dims, precision, preferred_element_type, act_quant=act_quant)
+    order = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+    return jnp.transpose(y, tuple(order.index(c) for c in out))
