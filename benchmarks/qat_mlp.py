@@ -17,6 +17,9 @@ opt_state, loss)`` with the parameters and optimizer state donated:
   as int8 x int8 -> int32 (`jaxquant._qat_dot`), float backward dots;
 * ``int8-dot QAT, backward='int8'``: the gradient wrt the activation also as an int8
   dot (the incoming gradient quantized per row); the weight gradient stays float;
+* ``plain jnp fake-quant``: the hand-written STE ``x + stop_gradient(q - x)`` with
+  ``q = clip(round(x / s), -127, 127) * s``, absmax scales per output channel and per
+  token (the baseline a user would write; XLA may turn ``x / s`` into ``x * (1 / s)``);
 * ``qwix QAT``: ``qwix.quantize_model`` with ``qwix.QtProvider`` and one
   ``qwix.QtRule(weight_qtype=int8, act_qtype=int8)`` (int8 forward, float backward).
 
@@ -73,6 +76,22 @@ def make_model(dot_general=None):
     return MLP(dot_general)
 
 
+def plain_fake_quant_dot(lhs, rhs, dimension_numbers, precision=None,
+                         preferred_element_type=None, **kwargs):
+    """A ``dot_general`` on hand-written STE fake-quant operands (per token / per channel)."""
+    from jax import lax
+
+    def ste(x, keep):
+        axes = tuple(d for d in range(x.ndim) if d not in keep)
+        s = jnp.max(jnp.abs(x), axis=axes, keepdims=True) / 127
+        s = jnp.where(s == 0, 1.0, s)
+        return x + lax.stop_gradient(jnp.clip(jnp.round(x / s), -127, 127) * s - x)
+
+    return lax.dot_general(ste(lhs, tuple(range(lhs.ndim - 1))), ste(rhs, (rhs.ndim - 1,)),
+                           dimension_numbers, precision=precision,
+                           preferred_element_type=preferred_element_type)
+
+
 def make_step(apply: Callable, optimizer) -> Callable:
     """The jitted train step; ``params`` and ``opt_state`` are donated."""
     import optax
@@ -97,6 +116,8 @@ def cases() -> dict:
         "int8-dot QAT (jaxquant QATDotGeneral, float backward)": make_model(QATDotGeneral()),
         "int8-dot QAT, backward='int8' (activation gradient as an int8 dot)":
             make_model(QATDotGeneral(backward="int8")),
+        "plain jnp fake-quant (x + stop_gradient(q - x), W per-channel + A per-token)":
+            make_model(plain_fake_quant_dot),
     }
     try:
         import qwix

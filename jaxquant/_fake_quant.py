@@ -20,6 +20,12 @@ One module-level `jax.custom_vjp` carries both estimators:
   pass. ``lsq_grad_scale=True`` multiplies both by ``1 / sqrt(N * qmax)``, the
   gradient scale of the LSQ paper (``N`` elements per scale).
 
+In computed mode with float32 absmax scales of a signed integer format (the
+QAT default), ``absmax / qmax`` maps every element into ``[-qmax, qmax]``:
+nothing clips, the STE mask is all ones and the scale a constant, so the
+backward pass returns the incoming gradient and keeps no residuals (as cheap as
+a hand-written ``x + stop_gradient(q - x)``; the forward value is unchanged).
+
 Float formats (float8, float4) and codebook formats (NF4, FP4, float6) use
 the same rules with ``qmin/qmax`` the largest finite magnitude (the table's
 largest entry) and no zero point. Named composite formats (MX, NVFP4) and
@@ -132,6 +138,7 @@ def fake_quant(
     x = as_float_input(x)
     key = _check_key(key)
     check_scale_arguments(fmt, scale, zero_point, scale_dtype, double_quant)
+    computed, options = scale is None, None
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; pass both, or neither.")
@@ -157,6 +164,11 @@ def fake_quant(
         zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
     config = _Config(fmt, layout, bool(saturate), bool(lsq_grad_scale))
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+    if (computed and symmetric and fmt.is_integer and fmt.signed and zero_point is None
+            and noise is None and options.plain):
+        # absmax / qmax maps every element into [-qmax, qmax]: the clipped STE's mask is all
+        # ones and the scale a constant, so the backward pass is the identity
+        return _fake_quant_unclipped(x, scale.astype(jnp.float32), config)
     return _fake_quant(x, scale.astype(jnp.float32), zero_point, noise, config)
 
 
@@ -214,3 +226,20 @@ def _fake_quant_bwd(config: _Config, residuals, g):
 
 
 _fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fake_quant_unclipped(x, scale, config: _Config):
+    """`_fake_quant` where no code can clip and the scale is constant: ``dx = g``."""
+    return _fake_quant(x, scale, None, None, config)
+
+
+def _fake_quant_unclipped_fwd(x, scale, config):
+    return _fake_quant_unclipped(x, scale, config), None
+
+
+def _fake_quant_unclipped_bwd(config: _Config, residuals, g):
+    return g, None
+
+
+_fake_quant_unclipped.defvjp(_fake_quant_unclipped_fwd, _fake_quant_unclipped_bwd)

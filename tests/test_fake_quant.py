@@ -46,6 +46,22 @@ def test_computed_mode_scale_is_constant_in_backward():
     np.testing.assert_array_equal(g, jnp.ones(4))  # absmax scale never clips
 
 
+@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("gran", [dict(), dict(axis=-1), dict(axis=0, block_size=5)])
+def test_computed_absmax_gradient_equals_the_clipped_ste(fmt, gran):
+    # Computed symmetric scales take a backward pass that returns g unchanged; it must
+    # equal the clipped STE with the same scale given explicitly, extremes included.
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((12, 9)) * np.linspace(0.1, 30, 9), jnp.float32)
+    x = x.at[3, 4].set(0.0).at[:, 2].set(0.0)  # an all-zero channel: scale 1
+    g = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
+    scale = jq.quantize(x, dtype=fmt, **gran).scale
+    computed = jax.vjp(lambda x: jq.fake_quant(x, dtype=fmt, **gran), x)[1](g)[0]
+    explicit = jax.vjp(lambda x: jq.fake_quant(x, scale, dtype=fmt, **gran), x)[1](g)[0]
+    np.testing.assert_array_equal(computed, explicit)
+    np.testing.assert_array_equal(computed, g)
+
+
 def test_gradient_dtype_follows_input():
     x = jnp.ones((3,), jnp.bfloat16)
     g = jax.grad(lambda x: jq.fake_quant(x, jnp.float32(0.1)).astype(jnp.float32).sum())(x)
