@@ -92,7 +92,7 @@ def stream_rows(qt, contract: tuple, batch: tuple, other_rows: int) -> int | Non
 
 def _rows(qt: QTensor, start, rows: int) -> QTensor:
     """Rows ``start : start + rows`` of ``qt`` along axis 0 (``start`` may be traced)."""
-    def cut(a, per):  # dim 0 of a array holding one entry per ``per`` rows
+    def cut(a, per):  # dim 0 of an array holding one entry per ``per`` rows
         return lax.dynamic_slice_in_dim(a, start // per, rows // per, axis=0)
 
     layout = qt.layout
