@@ -2,10 +2,11 @@
 
 `record_gram` adds ``x^T x`` of a ``Dense`` / ``Linear`` layer's input (all
 leading axes flattened into rows) to a dict keyed by the layer's path; linen
-records through a method interceptor, nnx through a recording ``dot_general``
-put on the layer for the call. `gptq_kernel` turns a float kernel into the
-`QTensor` of `jaxquant.gptq` with the layer's weight spec, after
-`check_gptq_layers` has checked that every recorded layer can take it.
+records through a method interceptor (`linen_input_grams`), nnx through a
+recording ``dot_general`` (`GramRecorder`) put on the layer for the call.
+`gptq_kernel` turns a float kernel into the `QTensor` of `jaxquant.gptq` with
+the layer's weight spec, after `check_gptq_layers` has checked that every
+recorded layer can take it.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -21,9 +23,10 @@ from jaxquant._packing import pack
 from jaxquant._qtensor import QTensor
 from jaxquant._schemes import SCHEMES
 from jaxquant._tree import QuantSpec
-from jaxquant.flax._rules import QuantConfig
+from jaxquant.flax._rules import QuantConfig, select
 
-__all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "record_gram"]
+__all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "linen_input_grams",
+           "record_gram"]
 
 
 def record_gram(grams: dict, path: str, x: jax.Array) -> None:
@@ -44,6 +47,31 @@ class GramRecorder:
     def __call__(self, lhs, rhs, *args, **kwargs):
         record_gram(self.grams, self.path, lhs)
         return self.inner(lhs, rhs, *args, **kwargs)
+
+
+def linen_input_grams(module: nn.Module, rules, variables, args: tuple,
+                      kwargs: dict) -> dict[str, jax.Array]:
+    """`QuantizedLinen.input_grams`: ``module.apply`` jitted under a recording interceptor."""
+    def run(variables, *args):
+        grams: dict = {}
+
+        def intercept(next_fun, a, k, context):
+            m = context.module
+            if context.method_name == "__call__" and isinstance(m, nn.Dense):
+                cfg, _ = select("/".join(m.path), rules)
+                if cfg is not None and cfg.weight is not None:
+                    record_gram(grams, "/".join(m.path), a[0])
+            return next_fun(*a, **k)
+
+        with nn.intercept_methods(intercept):
+            module.apply(variables, *args, **kwargs)
+        return grams
+
+    try:
+        return jax.jit(run)(variables, *args)
+    except jax.errors.UnexpectedTracerError as e:
+        raise ValueError("input_grams records Dense layers called directly by the model; "
+                         "layers inside nn.scan / nn.remat are not supported.") from e
 
 
 def _why_not(spec: QuantSpec | None, cfg: QuantConfig | None, kernel_ndim: int) -> str | None:
@@ -85,8 +113,15 @@ def check_gptq_layers(grams: dict, layers: dict[str, tuple[QuantConfig | None, i
             raise ValueError(f"grams[{path!r}] cannot be used: {why}.")
 
 
-def gptq_kernel(kernel: jax.Array, gram: jax.Array, spec: QuantSpec) -> QTensor:
-    """`jaxquant.gptq` of a 2-D ``(in, out)`` kernel with ``spec``'s format and layout."""
+def gptq_kernel(kernel: jax.Array, gram: jax.Array, spec: QuantSpec, path: str) -> QTensor:
+    """`jaxquant.gptq` of a 2-D ``(in, out)`` kernel with ``spec``'s format and layout.
+
+    Raises:
+      ValueError: a kernel that is not 2-D (stacked by ``nn.scan``), naming ``path``.
+    """
+    if kernel.ndim != 2:
+        raise ValueError(f"grams[{path!r}] cannot be used: the kernel is stacked (shape "
+                         f"{kernel.shape}), not (in, out).")
     qt = gptq(kernel, gram, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
               symmetric=spec.symmetric)
     return pack(qt) if spec.packed else qt

@@ -24,7 +24,7 @@ import numpy as np
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
 from jaxquant._quantize import quantize
-from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, record_gram
+from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, linen_input_grams
 from jaxquant.flax._ops import (
     InferConv,
     InferDot,
@@ -290,10 +290,9 @@ class QuantizedLinen:
     def input_grams(self, variables, *args, **kwargs) -> dict[str, jax.Array]:
         """Gram matrices of the inputs of ``Dense`` layers with a weight rule, for GPTQ.
 
-        Runs the float model once (jitted) on a calibration batch and returns, per
-        layer path, ``x^T x`` over the layer's input rows (every leading axis,
-        padding included: pass real tokens only where that matters). Grams add
-        up: sum the dicts of several batches with ``jax.tree.map(jnp.add, a, b)``.
+        Runs the float model once (jitted) on a calibration batch: per layer path,
+        ``x^T x`` over the input's rows (every leading axis, padding included).
+        Grams of several batches add up (``jax.tree.map(jnp.add, a, b)``).
 
         Args:
           variables: the float model's variables.
@@ -306,28 +305,7 @@ class QuantizedLinen:
         Raises:
           ValueError: the layers run inside ``nn.scan`` / ``nn.remat`` (not recorded).
         """
-        compiled = self._compiled
-
-        def run(variables, *args):
-            grams: dict = {}
-
-            def intercept(next_fun, a, k, context):
-                m = context.module
-                if context.method_name == "__call__" and isinstance(m, nn.Dense):
-                    cfg, _ = select("/".join(m.path), compiled)
-                    if cfg is not None and cfg.weight is not None:
-                        record_gram(grams, "/".join(m.path), a[0])
-                return next_fun(*a, **k)
-
-            with nn.intercept_methods(intercept):
-                self.module.apply(variables, *args, **kwargs)
-            return grams
-
-        try:
-            return jax.jit(run)(variables, *args)
-        except jax.errors.UnexpectedTracerError as e:
-            raise ValueError("input_grams records Dense layers called directly by the model; "
-                             "layers inside nn.scan / nn.remat are not supported.") from e
+        return linen_input_grams(self.module, self._compiled, variables, args, kwargs)
 
     def quantize_params(self, variables, *args, grams: dict | None = None, **kwargs):
         """``variables`` with the kernels of selected layers as `QTensor` leaves.
@@ -372,10 +350,7 @@ class QuantizedLinen:
                 continue
             scale = qnode.get(name + "_scale") if cfg.learn_scale else None
             if grams is not None and path in grams:
-                if leaf.ndim != 2:
-                    raise ValueError(f"grams[{path!r}] cannot be used: the kernel is stacked "
-                                     f"(shape {leaf.shape}), not (in, out).")
-                node[name] = gptq_kernel(leaf, grams[path], spec)
+                node[name] = gptq_kernel(leaf, grams[path], spec, path)
                 continue
             if scale is None:
                 fn, operands = spec, (leaf,)

@@ -284,7 +284,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
         if not is_qtensor(kernel):
             hook = layer.promote_dtype
             if grams is not None and path in grams:
-                kernel = gptq_kernel(kernel, grams[path], spec)
+                kernel = gptq_kernel(kernel, grams[path], spec, path)
             elif isinstance(hook, LearnedScale):
                 kernel = quantize(kernel, hook.scale[...], dtype=spec.dtype, axis=spec.axis,
                                   block_size=spec.block_size, saturate=spec.saturate,
