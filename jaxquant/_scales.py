@@ -75,8 +75,13 @@ def compute_scale(
       `scale_from_range`. The scale is a constant for differentiation.
     """
     x = jax.lax.stop_gradient(x.astype(jnp.float32))
-    # absmax as max(max, -min): XLA:CPU fuses two plain reductions over the
-    # blocked view well, but writes |x| out to memory first (8x slower) for a
+    if (symmetric or not fmt.is_integer) and layout.kind in ("tensor", "axis"):
+        # One pass over memory: a reduction of |x| (XLA:CPU would read x twice for a
+        # max and a min it does not fuse).
+        amax = group_reduce(jnp.abs(x), layout, jnp.max)
+        return scale_from_range(amax, amax, fmt, symmetric=True)
+    # Blocks and tiles: absmax as max(max, -min). XLA:CPU fuses two plain reductions
+    # over the blocked view well, but writes |x| out to memory first (8x slower) for a
     # reduction of abs.
     lo = group_reduce(x, layout, jnp.min)
     hi = group_reduce(x, layout, jnp.max)
