@@ -9,6 +9,7 @@ memory-bound XLA call.
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata
 import json
 import os
@@ -49,6 +50,24 @@ def run_rounds(fns: dict[str, Callable[[], object]],
             times[name].append(time_call(fn))
         print(f"  round {r + 1}/{repeats}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return times
+
+
+def parse_rounds(doc: str, argv: Sequence[str] | None, *, flag: str = "--rounds",
+                 default: int = 5) -> argparse.Namespace:
+    """Parses ``flag`` (round-robin rounds, at least 1) and ``--out`` (the results folder).
+
+    The parser's description is the first paragraph of ``doc``; ``argv`` None reads
+    ``sys.argv``.
+    """
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument(flag, type=int, default=default, dest="rounds",
+                   help=f"round-robin rounds (default {default})")
+    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"),
+                   help="output folder (default benchmarks/results)")
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error(f"{flag} must be at least 1, got {args.rounds}")
+    return args
 
 
 def machine_info(packages: Sequence[str]) -> dict:

@@ -30,10 +30,8 @@ Results go to ``<out>/int8_gemm.json`` and ``<out>/int8_gemm.md``.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import os
-import pathlib
 import statistics
 import sys
 import time
@@ -45,9 +43,9 @@ import numpy as np
 from jax import lax
 
 try:  # python -m benchmarks.int8_gemm
-    from benchmarks._harness import machine_info, run_rounds, write_report
+    from benchmarks._harness import machine_info, parse_rounds, run_rounds, write_report
 except ImportError:  # python benchmarks/int8_gemm.py
-    from _harness import machine_info, run_rounds, write_report
+    from _harness import machine_info, parse_rounds, run_rounds, write_report
 
 PACKAGES = ("jax", "jaxlib", "numpy", "torch", "onnxruntime", "onnx")
 SHAPES = ((32, 1024, 1024), (256, 1024, 1024))
@@ -205,13 +203,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Parses ``--rounds`` and ``--out``, runs, writes JSON and Markdown."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--rounds", type=int, default=30, help="round-robin rounds (default 30)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"),
-                   help="output folder (default benchmarks/results)")
-    args = p.parse_args(argv)
-    if args.rounds < 1:
-        p.error(f"--rounds must be at least 1, got {args.rounds}")
+    args = parse_rounds(__doc__, argv, default=30)
     wall = time.perf_counter()
     result = run(args.rounds)
     result["command"] = "python -m benchmarks.int8_gemm " + " ".join(

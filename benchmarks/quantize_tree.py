@@ -28,9 +28,7 @@ Results go to ``<out>/quantize_tree.json`` and ``<out>/quantize_tree.md``.
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import pathlib
 import statistics
 import sys
 import time
@@ -42,9 +40,9 @@ import jax.numpy as jnp
 import jaxquant as jq
 
 try:  # python -m benchmarks.quantize_tree
-    from benchmarks._harness import machine_info, run_rounds, write_report
+    from benchmarks._harness import machine_info, parse_rounds, run_rounds, write_report
 except ImportError:  # python benchmarks/quantize_tree.py
-    from _harness import machine_info, run_rounds, write_report
+    from _harness import machine_info, parse_rounds, run_rounds, write_report
 
 PACKAGES = ("jax", "jaxlib", "numpy", "qwix", "flax")
 D, LAYERS, VOCAB, CONTEXT = 768, 12, 50257, 1024
@@ -136,23 +134,17 @@ def compile_times(fn: Callable, tree: dict, repeats: int) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Builds the tree, measures compile and run times and memory, writes the results."""
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--repeats", type=int, default=5, help="round-robin rounds (default 5)")
-    p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"),
-                   help="output folder (default benchmarks/results)")
-    args = p.parse_args(argv)
-    if args.repeats < 1:
-        p.error(f"--repeats must be at least 1, got {args.repeats}")
+    args = parse_rounds(__doc__, argv, flag="--repeats")
     wall = time.perf_counter()
     tree = jax.block_until_ready(random_tree())
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     print(f"tree: {n_params:,} parameters, {jq.tree_nbytes(tree) / 2**20:.1f} MiB",
           file=sys.stderr)
 
-    compiled = {"jaxquant quantize_tree": compile_times(jq.quantize_tree, tree, args.repeats),
+    compiled = {"jaxquant quantize_tree": compile_times(jq.quantize_tree, tree, args.rounds),
                 "plain jnp, correctly rounded x / s (one jit)": compile_times(plain_exact_quantize_tree, tree,
-                                                  args.repeats),
-                "plain jnp (one jit)": compile_times(plain_quantize_tree, tree, args.repeats)}
+                                                  args.rounds),
+                "plain jnp (one jit)": compile_times(plain_quantize_tree, tree, args.rounds)}
     fns = {"jaxquant quantize_tree": jax.jit(jq.quantize_tree),
            "plain jnp, correctly rounded x / s (one jit)": jax.jit(plain_exact_quantize_tree),
            "plain jnp (one jit)": jax.jit(plain_quantize_tree)}
@@ -160,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         fns["qwix quantize_params"] = jax.jit(qwix_quantizer(tree))
         compiled["qwix quantize_params"] = compile_times(qwix_quantizer(tree), tree,
-                                                          args.repeats)
+                                                          args.rounds)
     except Exception as e:  # an optional peer whose API changed: a row saying so
         notes["qwix quantize_params"] = f"error: {type(e).__name__}: {e}"[:200]
     outputs = {}
@@ -168,7 +160,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         outputs[name] = jax.block_until_ready(fn(tree))  # compile and warm up
         jax.block_until_ready(fn(tree))
     times = run_rounds({name: (lambda fn=fn: jax.block_until_ready(fn(tree)))
-                        for name, fn in fns.items()}, args.repeats)
+                        for name, fn in fns.items()}, args.rounds)
 
     q = outputs["jaxquant quantize_tree"]
     is_pair = lambda v: isinstance(v, tuple)
@@ -196,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
         "command": "python -m benchmarks.quantize_tree " + " ".join(argv or sys.argv[1:]),
         "machine": machine_info(PACKAGES),
-        "repeats": args.repeats,
+        "repeats": args.rounds,
         "parameters": n_params,
         "bytes_before": before,
         "bytes_after": after,
