@@ -39,16 +39,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
-import importlib
 import os
 import pathlib
 import random
-import re
 import statistics
 import sys
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,11 +55,13 @@ import jaxquant as jq
 try:  # python -m benchmarks.minilm
     from benchmarks import minilm_model, minilm_qat, minilm_reference
     from benchmarks._harness import machine_info, write_report
+    from benchmarks.minilm_calibration import calibration_sentences, clip_searched, input_grams
 except ImportError:  # python benchmarks/minilm.py
     import minilm_model
     import minilm_qat
     import minilm_reference
     from _harness import machine_info, write_report
+    from minilm_calibration import calibration_sentences, clip_searched, input_grams
 
 SENTENCES = (
     # Pairs of paraphrases, one topic per pair: sentence 2i and 2i + 1 say the same thing.
@@ -170,104 +169,6 @@ VARIANTS = (
             torch=True),
 )
 """The table's rows, in order."""
-
-RATIOS = tuple(np.round(np.linspace(0.5, 1.0, 26), 2).tolist())
-
-
-@jax.jit
-def _group_sum(err: jax.Array, scale: jax.Array) -> jax.Array:
-    """Sums a kernel's ``(in, out)`` errors over each scale group (per-channel or blocks on axis 0)."""
-    if scale.ndim == 1:
-        return err.sum(axis=0)
-    blocks = scale.shape[0]
-    return err.reshape(blocks, err.shape[0] // blocks, err.shape[1]).sum(axis=1)
-
-
-def clip_searched(spec: jq.QuantSpec, ratios=RATIOS):
-    """``spec`` as a leaf function whose scales minimize each group's squared weight error.
-
-    For a 2-D kernel quantized per channel (``axis=-1``) or in blocks along axis 0:
-    each group's scale is its absmax scale times the ratio in ``ratios`` giving the
-    least ``sum((dequantize(quantize(w)) - w) ** 2)`` over the group.
-
-    Raises:
-      ValueError: any other layout.
-    """
-    if not (spec.axis == -1 and spec.block_size is None
-            or spec.axis == 0 and spec.block_size is not None):
-        raise ValueError(f"spec must be per channel (axis=-1) or blocked along axis 0, got "
-                         f"{spec!r}.")
-
-    def quantize(w: jax.Array) -> jq.QTensor:
-        base = jq.quantize(w, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size)
-        best_err = best_scale = None
-        for r in ratios:
-            scale = base.scale * jnp.float32(r)
-            qt = jq.quantize(w, scale, dtype=spec.dtype, axis=spec.axis,
-                             block_size=spec.block_size)
-            err = _group_sum(jnp.square(jq.dequantize(qt) - w), scale)
-            if best_err is None:
-                best_err, best_scale = err, scale
-            else:
-                better = err < best_err
-                best_err = jnp.where(better, err, best_err)
-                best_scale = jnp.where(better, scale, best_scale)
-        qt = jq.quantize(w, best_scale, dtype=spec.dtype, axis=spec.axis,
-                         block_size=spec.block_size)
-        return jq.pack(qt) if spec.packed else qt
-
-    return quantize
-
-
-CALIBRATION_MODULES = (
-    "argparse", "bisect", "collections", "csv", "datetime", "decimal", "email", "fractions",
-    "functools", "heapq", "http", "itertools", "json", "logging", "os", "pathlib", "queue",
-    "random", "re", "shutil", "sqlite3", "statistics", "string", "subprocess", "tempfile",
-    "textwrap", "threading", "unittest", "urllib", "zipfile", "abc", "ast", "base64",
-    "calendar", "codecs", "configparser", "contextlib", "copy", "dataclasses", "difflib",
-    "dis", "doctest", "enum", "filecmp", "fileinput", "fnmatch", "getopt", "gettext", "glob",
-    "gzip", "hashlib", "hmac", "inspect", "ipaddress", "locale", "mailbox", "mimetypes",
-    "numbers", "operator", "optparse", "pickle", "platform", "plistlib", "pprint", "pstats",
-    "pydoc", "reprlib", "sched", "secrets", "selectors", "shelve", "shlex", "signal",
-    "smtplib", "socketserver", "struct", "tarfile", "timeit", "tokenize", "trace",
-    "traceback", "types", "typing", "uuid", "warnings", "weakref",
-)
-"""Standard-library modules whose docstrings give GPTQ's calibration sentences."""
-
-
-def calibration_sentences(count: int | None = None) -> list[str]:
-    """The sentences (30-200 characters) of `CALIBRATION_MODULES`' docstrings, the first
-    ``count`` of them (None: all, 470 on Python 3.11).
-
-    Real English every Python install carries, and none of the evaluation `SENTENCES`.
-    """
-    sentences = []
-    for name in CALIBRATION_MODULES:
-        text = " ".join((importlib.import_module(name).__doc__ or "").split())
-        sentences += [s for s in re.split(r"(?<=[.!?])\s+", text) if 30 < len(s) < 200]
-    return sentences[:count]
-
-
-def input_grams(model, params: dict, batch: dict) -> dict[str, np.ndarray]:
-    """``sum x^T x`` over the real (unpadded) tokens of every ``nn.Dense`` input.
-
-    Keys are module paths (``encoder/layer_0/attention/self/query``); runs ``model``
-    eagerly on ``batch`` with an interceptor that reads each Dense layer's input.
-    """
-    tokens = np.asarray(batch["attention_mask"]).reshape(-1).astype(bool)
-    grams: dict[str, np.ndarray] = {}
-
-    def record(next_fun, args, kwargs, context):
-        if context.method_name == "__call__" and type(context.module) is nn.Dense:
-            x = np.asarray(args[0], np.float64).reshape(-1, args[0].shape[-1])[tokens]
-            path = "/".join(context.module.scope.path)
-            grams[path] = grams.get(path, 0) + x.T @ x
-        return next_fun(*args, **kwargs)
-
-    with nn.intercept_methods(record):
-        model.apply(params, **batch)
-    return {k: v.astype(np.float32) for k, v in grams.items()}
-
 
 def quantize_params(params: dict, variant: Variant, grams: dict | None = None) -> dict:
     """The variant's tree: embedding tables by ``variant.embedding``, kernels by its rules.
