@@ -38,74 +38,30 @@ Example:
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable
-from typing import Any, NamedTuple
+from collections.abc import Iterable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import ArrayLike
 
 from jaxquant import _histogram
-from jaxquant._formats import get_format
-from jaxquant._granularity import group_reduce, layout_from_args
 from jaxquant._histogram import HistogramState, no_fma
+from jaxquant._observers import (
+    Observer,
+    RangeState,
+    _batch_range,
+    _check_count,
+    _observer,
+    _range_state,
+    _state_range,
+)
 from jaxquant._progress import progress_bar
-from jaxquant._quantize import as_float_input
-from jaxquant._scales import scale_from_range
 
 __all__ = ["Observer", "RangeState", "HistogramState", "minmax", "moving_average_minmax",
            "histogram", "percentile", "mse", "calibrate"]
 
 _F32 = jnp.float32
-
-
-class Observer(NamedTuple):
-    """A calibration observer: three pure functions over an explicit state.
-
-    Attributes:
-      init: ``init(x_like) -> state``; ``x_like`` is an array or a
-        ``jax.ShapeDtypeStruct`` shaped like the batches (per-axis observers
-        only use ``x_like.shape[axis]``).
-      update: ``update(state, x) -> state``, one batch folded in.
-      compute: ``compute(state, *, dtype=jnp.int8, symmetric=True) ->
-        (scale, zero_point)``: float32 scales of shape ``()`` (per-tensor) or
-        ``(x.shape[axis],)`` (per-axis), and ``None`` or zero points of
-        ``dtype``, ready for ``jaxquant.quantize(x, scale, zero_point,
-        dtype=dtype, axis=axis)``.
-    """
-
-    init: Callable[[Any], Any]
-    update: Callable[[Any, ArrayLike], Any]
-    compute: Callable[..., tuple[jax.Array, jax.Array | None]]
-
-
-class RangeState(NamedTuple):
-    """State of `minmax` and `moving_average_minmax` (a pytree).
-
-    Attributes:
-      min: float32 running minimum, ``()`` or ``(channels,)``; ``+inf`` at first.
-      max: float32 running maximum, same shape; ``-inf`` at first.
-      count: int32 number of batches seen.
-    """
-
-    min: jax.Array
-    max: jax.Array
-    count: jax.Array
-
-
-@functools.partial(jax.jit, static_argnames=("dtype", "symmetric"))
-def _qparams(lo, hi, dtype, symmetric):
-    empty = (lo == jnp.inf) & (hi == -jnp.inf)
-    scale, zero_point = scale_from_range(jnp.where(empty, _F32(0), lo),
-                                         jnp.where(empty, _F32(0), hi),
-                                         get_format(dtype), symmetric)
-    return jnp.where(jnp.isnan(lo) | jnp.isnan(hi), _F32(jnp.nan), scale), zero_point
-
-
-def _batch_range(x, layout):
-    x = x.astype(_F32)
-    return group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max)
 
 
 @functools.partial(jax.jit, static_argnames=("layout",))
@@ -130,43 +86,6 @@ def _histogram_update(state, x, layout):
     rows = x.reshape(1, -1) if layout.axis is None else jnp.moveaxis(x, layout.axis, 0)
     new = _histogram.update(_histogram.as_rows(state), rows.reshape(rows.shape[0], -1))
     return jax.tree.map(lambda a, b: a.reshape(b.shape), new, state)
-
-
-def _observer(axis: int | None, make_state, update_kernel, clip_range) -> Observer:
-    """An `Observer` from a state maker, a jitted update and a range chooser."""
-    def init(x_like):
-        shape = getattr(x_like, "shape", None)
-        shape = tuple(np.shape(x_like) if shape is None else shape)
-        return make_state(layout_from_args(shape, axis, None).scale_shape(shape))
-
-    def update(state, x):
-        x = as_float_input(x)
-        layout = layout_from_args(x.shape, axis, None)
-        got, expected = layout.scale_shape(x.shape), jnp.shape(state.min)
-        if got != expected:
-            raise ValueError(
-                f"x of shape {x.shape} needs ranges of shape {got} for axis={axis}, but the "
-                f"state holds ranges of shape {expected}; init it with a batch-shaped array.")
-        return state if x.size == 0 else update_kernel(state, x, layout)
-
-    def compute(state, *, dtype=jnp.int8, symmetric=True):
-        fmt = get_format(dtype)
-        if not symmetric and not fmt.is_integer:
-            raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "
-                             f"zero point.")
-        lo, hi = clip_range(state, fmt, bool(symmetric))
-        return _qparams(lo, hi, fmt.dtype, bool(symmetric))
-
-    return Observer(init, update, compute)
-
-
-def _range_state(groups):
-    return RangeState(jnp.full(groups, jnp.inf, _F32), jnp.full(groups, -jnp.inf, _F32),
-                      jnp.zeros((), jnp.int32))
-
-
-def _state_range(state, fmt, symmetric):
-    return state.min, state.max
 
 
 def minmax(*, axis: int | None = None) -> Observer:
@@ -235,14 +154,6 @@ def moving_average_minmax(averaging_constant: float = 0.01, *,
         raise ValueError(f"averaging_constant must be in (0, 1], got {averaging_constant!r}.")
     update = functools.partial(_moving_average_update, constant=c)
     return _observer(axis, _range_state, update, _state_range)
-
-
-def _check_count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be a positive int, got {value!r}.")
-    if value <= 0:
-        raise ValueError(f"{name} must be a positive int, got {value}.")
-    return int(value)
 
 
 def _histogram_observer(clip_range, bins: int, axis: int | None) -> Observer:
