@@ -259,7 +259,7 @@ def run(rounds: int, calls: int, qat_steps: int = 400) -> dict:
     calibration = {k: jnp.asarray(v) for k, v in
                    minilm_model.tokenize(tokenizer, calibration_sentences()).items()}
     grams = input_grams(model, params, calibration)
-    texts = minilm_qat.distillation_texts(calibration_sentences())
+    texts = minilm_qat.distillation_texts(calibration_sentences()) if qat_steps else []
     for variant in VARIANTS:
         if variant.distilled and not qat_steps:
             continue

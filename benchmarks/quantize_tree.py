@@ -29,6 +29,7 @@ Results go to ``<out>/quantize_tree.json`` and ``<out>/quantize_tree.md``.
 from __future__ import annotations
 
 import datetime
+import functools
 import statistics
 import sys
 import time
@@ -67,30 +68,23 @@ def random_tree(seed: int = 0) -> dict:
     return jax.tree.unflatten(treedef, [normal(k, s) for k, s in zip(keys, leaves, strict=True)])
 
 
-def plain_quantize_tree(tree: dict) -> dict:
-    """The hand-written reference: int8 absmax per last-axis entry, for rank >= 2 leaves."""
-    def one(x):
-        if x.ndim < 2:
-            return x
-        s = jnp.max(jnp.abs(x), axis=tuple(range(x.ndim - 1))) / 127
-        s = jnp.where(s == 0, 1.0, s)
-        return jnp.clip(jnp.round(x / s), -127, 127).astype(jnp.int8), s
+def plain_quantize_tree(tree: dict, exact: bool = False) -> dict:
+    """The hand-written reference: int8 absmax per last-axis entry, for rank >= 2 leaves.
 
-    return jax.tree.map(one, tree)
+    ``exact``: the correctly rounded quotients that the contract (and ONNX) defines. The
+    divisors ``where(x == x, s, 1)`` and ``where(a == a, 127, 1)`` (the same values) are
+    not broadcasts or constants XLA can see, so ``x / s`` and ``absmax / 127`` stay
+    divisions instead of becoming products with reciprocals.
+    """
+    hide = (lambda v, d: jnp.where(v == v, d, 1.0)) if exact else (lambda v, d: d)
 
-
-def plain_exact_quantize_tree(tree: dict) -> dict:
-    """`plain_quantize_tree` with the correctly rounded quotients that the contract (and
-    ONNX) defines: the divisors ``where(x == x, s, 1)`` and ``where(a == a, 127, 1)`` (the
-    same values) are not broadcasts or constants XLA can see, so ``x / s`` and
-    ``absmax / 127`` stay divisions instead of products with reciprocals."""
     def one(x):
         if x.ndim < 2:
             return x
         a = jnp.max(jnp.abs(x), axis=tuple(range(x.ndim - 1)))
-        s = a / jnp.where(a == a, 127.0, 1.0)
+        s = a / hide(a, 127.0)
         s = jnp.where(s == 0, 1.0, s)
-        return jnp.clip(jnp.round(x / jnp.where(x == x, s, 1.0)), -127, 127).astype(jnp.int8), s
+        return jnp.clip(jnp.round(x / hide(x, s)), -127, 127).astype(jnp.int8), s
 
     return jax.tree.map(one, tree)
 
@@ -141,12 +135,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"tree: {n_params:,} parameters, {jq.tree_nbytes(tree) / 2**20:.1f} MiB",
           file=sys.stderr)
 
+    exact_plain = functools.partial(plain_quantize_tree, exact=True)
     compiled = {"jaxquant quantize_tree": compile_times(jq.quantize_tree, tree, args.rounds),
-                "plain jnp, correctly rounded x / s (one jit)": compile_times(plain_exact_quantize_tree, tree,
+                "plain jnp, correctly rounded x / s (one jit)": compile_times(exact_plain, tree,
                                                   args.rounds),
                 "plain jnp (one jit)": compile_times(plain_quantize_tree, tree, args.rounds)}
     fns = {"jaxquant quantize_tree": jax.jit(jq.quantize_tree),
-           "plain jnp, correctly rounded x / s (one jit)": jax.jit(plain_exact_quantize_tree),
+           "plain jnp, correctly rounded x / s (one jit)": jax.jit(exact_plain),
            "plain jnp (one jit)": jax.jit(plain_quantize_tree)}
     notes = {}
     try:
