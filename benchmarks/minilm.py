@@ -113,7 +113,8 @@ class Variant:
     """One row of the table: kernel rules, the embedding spec, the dot, the scale choice.
 
     ``torch`` marks the rows also computed by PyTorch (`benchmarks.minilm_reference`):
-    one kernel spec for every ``nn.Linear``, absmax scales.
+    one kernel spec for every ``nn.Linear``, absmax scales. ``rotated`` rows quantize
+    the Hadamard-rotated model of `minilm_model.rotate_ffn` (the same function).
     """
 
     name: str
@@ -124,6 +125,7 @@ class Variant:
     gptq: bool = False
     act_order: bool = False
     distilled: bool = False
+    rotated: bool = False
     torch: bool = False
 
 
@@ -151,6 +153,10 @@ VARIANTS = (
     Variant("int8 block 32, weight-only", all_kernels(INT8_BLOCK32), INT8_ROWS, torch=True),
     Variant("int8 per-channel, weight-only, GPTQ", all_kernels(INT8_CHANNEL), INT8_ROWS,
             gptq=True),
+    Variant("int8 per-channel, weight-only, Hadamard-rotated FFN input",
+            all_kernels(INT8_CHANNEL), INT8_ROWS, rotated=True),
+    Variant("int8 per-channel, weight-only, GPTQ, Hadamard-rotated FFN input",
+            all_kernels(INT8_CHANNEL), INT8_ROWS, gptq=True, rotated=True),
     Variant("int8 W+A (per-channel weights, per-token dynamic act.)", all_kernels(INT8_CHANNEL),
             INT8_ROWS, jq.ActQuant()),
     *(Variant(f"int4 block {b} packed, weight-only", all_kernels(int4_blocks(b)), INT8_ROWS,
@@ -258,7 +264,9 @@ def run(rounds: int, calls: int, qat_steps: int = 400) -> dict:
     fns, rows, ref = {}, [], None
     calibration = {k: jnp.asarray(v) for k, v in
                    minilm_model.tokenize(tokenizer, calibration_sentences()).items()}
-    grams = input_grams(model, params, calibration)
+    rotated = minilm_model.rotate_ffn(model, params)
+    grams = {False: input_grams(model, params, calibration),
+             True: input_grams(*rotated, calibration)}
     texts = minilm_qat.distillation_texts(calibration_sentences()) if qat_steps else []
     for variant in VARIANTS:
         if variant.distilled and not qat_steps:
@@ -269,8 +277,10 @@ def run(rounds: int, calls: int, qat_steps: int = 400) -> dict:
             tree = jq.quantize_tree(qm.quantize_params(trained, **batch),
                                     [("_embeddings/embedding$", variant.embedding)])
         else:
-            tree = quantize_params(params, variant, grams)
-        fn = encoder(model, variant.act_quant, bool(variant.kernels))
+            tree = quantize_params(rotated[1] if variant.rotated else params, variant,
+                                   grams[variant.rotated])
+        fn = encoder(rotated[0] if variant.rotated else model, variant.act_quant,
+                     bool(variant.kernels))
         emb = np.asarray(fn(tree, batch))
         ref = emb if ref is None else ref
         row = {"variant": variant.name, **metrics(emb, ref),

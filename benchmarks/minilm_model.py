@@ -37,6 +37,7 @@ import contextlib
 import dataclasses
 import json
 import pathlib
+import re
 from collections.abc import Iterator, Sequence
 
 import flax.linen as nn
@@ -47,9 +48,19 @@ import numpy as np
 import jaxquant as jq
 
 
+DOWN_PROJECTION = r"params/encoder/layer_\d+/output/dense/kernel"
+"""The feed-forward down-projection kernels' paths (`rotate_ffn`)."""
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class BertConfig:
-    """The fields of a Hugging Face ``config.json`` that the encoder uses."""
+    """The fields of a Hugging Face ``config.json`` that the encoder uses.
+
+    ``ffn_rotation_block`` is not one of them: a block size makes every layer
+    apply ``jq.hadamard_transform`` in blocks of that size to its feed-forward
+    down-projection's input (set by `rotate_ffn`, which rotates the kernels to
+    match); None, the default, is the original model.
+    """
 
     vocab_size: int = 30522
     hidden_size: int = 384
@@ -59,6 +70,7 @@ class BertConfig:
     max_position_embeddings: int = 512
     type_vocab_size: int = 2
     layer_norm_eps: float = 1e-12
+    ffn_rotation_block: int | None = None
 
     @classmethod
     def from_json(cls, path: str | pathlib.Path) -> BertConfig:
@@ -151,6 +163,8 @@ class Layer(nn.Module):
     def __call__(self, x: jax.Array, mask: jax.Array) -> jax.Array:
         x = Attention(self.config, name="attention")(x, mask)
         y = Intermediate(self.config, name="intermediate")(x)
+        if self.config.ffn_rotation_block is not None:
+            y = jq.hadamard_transform(y, block_size=self.config.ffn_rotation_block)
         return DenseResidualNorm(self.config, name="output")(y, x)
 
 
@@ -265,6 +279,38 @@ def quantized(dot: jq.QDotGeneral) -> Iterator[None]:
 
     with nn.intercept_methods(interceptor):
         yield
+
+
+def rotate_ffn(model: SentenceEncoder, params: dict, block_size: int = 32
+               ) -> tuple[SentenceEncoder, dict]:
+    """The same function with the feed-forward down-projections' inputs Hadamard-rotated.
+
+    The returned model applies ``H = jq.hadamard_transform`` (orthonormal,
+    symmetric, in blocks of ``block_size``) to each layer's GELU output, 32
+    multiply-adds per entry by default; the returned parameters hold
+    ``H @ w`` for the down-projection kernels ``w`` that read it, so both compute
+    ``(y H)(H w) = y w``: the original embeddings up to float rounding. The
+    rotated kernels spread each large weight over a block of input rows, so no
+    output column is dominated by one weight (see `jq.hadamard_transform`);
+    quantize those instead. (Blocks of 32 and of 512 quantize equally well here,
+    and 32 costs a sixth of the time.)
+
+    Returns:
+      ``(model, params)``, rotated.
+
+    Raises:
+      ValueError: ``model`` is already rotated.
+    """
+    if model.config.ffn_rotation_block is not None:
+        raise ValueError(f"model is already rotated (config.ffn_rotation_block="
+                         f"{model.config.ffn_rotation_block}).")
+    config = dataclasses.replace(model.config, ffn_rotation_block=block_size)
+
+    def kernel(path, w):
+        down = re.fullmatch(DOWN_PROJECTION, "/".join(k.key for k in path))
+        return jq.hadamard_transform(w, 0, block_size=block_size) if down else w
+
+    return SentenceEncoder(config), jax.tree_util.tree_map_with_path(kernel, params)
 
 
 def params_from_safetensors(tensors: dict[str, np.ndarray]) -> dict:

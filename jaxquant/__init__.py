@@ -16,6 +16,7 @@ from jaxquant._einsum import qeinsum
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import CODEBOOKS, FORMATS, Format, get_format
 from jaxquant._gptq import gptq
+from jaxquant._hadamard import hadamard_transform
 from jaxquant._packing import PackedArray, pack, pack_bits, unpack, unpack_bits
 from jaxquant._qat_dot import QATDotGeneral, qat_dot_general
 from jaxquant._qtensor import QTensor, is_qtensor
@@ -55,6 +56,7 @@ __all__ = [
     "format_report",
     "get_format",
     "gptq",
+    "hadamard_transform",
     "is_qtensor",
     "load_orbax",
     "load_safetensors",
