@@ -47,7 +47,6 @@ import numpy as np
 
 import jaxquant as jq
 
-
 DOWN_PROJECTION = r"params/encoder/layer_\d+/output/dense/kernel"
 """The feed-forward down-projection kernels' paths (`rotate_ffn`)."""
 
