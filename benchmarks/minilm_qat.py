@@ -5,8 +5,11 @@ The student is the unmodified Flax encoder of `benchmarks.minilm_model` under
 ``jaxquant.flax.quantize_linen``: every encoder Dense kernel fake-quantized with
 the variant's spec and a learned (LSQ) scale per group, initialized to the absmax
 scale. The teacher is the same model in float32. The loss is ``1 - cosine`` of
-the two sentence embeddings (unit-norm, mean-pooled), averaged over a batch; Adam
-updates kernels, biases, LayerNorms and scales. The training text
+the two sentence embeddings (unit-norm, mean-pooled), averaged over a batch, plus
+``hidden_weight`` times each layer's output error relative to the teacher's
+(``sum |s - t|^2 / sum |t|^2`` over the real tokens, averaged over the layers:
+layer-wise distillation, as in TernaryBERT); Adam updates kernels, biases,
+LayerNorms and scales. The training text
 (`distillation_texts`) is English every Python 3.11 install carries: the sentences
 of `benchmarks.minilm.calibration_sentences` (standard-library docstrings), those
 of ``pydoc_data.topics`` (the language reference's prose), and random runs of 2
@@ -75,9 +78,21 @@ def student(model, spec: jq.QuantSpec) -> QuantizedLinen:
     return quantize_linen(model, [("encoder/", QuantConfig(weight=spec, learn_scale=True))])
 
 
+def _is_layer(module, method_name: str) -> bool:
+    return isinstance(module, minilm_model.Layer) and method_name == "__call__"
+
+
+def embeddings_and_layers(apply, variables: dict, batch: dict) -> tuple[jax.Array, list]:
+    """``apply``'s embeddings and every encoder layer's output, in order."""
+    emb, state = apply(variables, **batch, capture_intermediates=_is_layer,
+                       mutable=["intermediates"])
+    layers = state["intermediates"]["encoder"]
+    return emb, [layers[f"layer_{i}"]["__call__"][0] for i in range(len(layers))]
+
+
 def distill(model, params: dict, tokenizer, spec: jq.QuantSpec, texts: list[str], *,
             steps: int, batch_size: int = 32, learning_rate: float = 2e-5,
-            seed: int = 0) -> tuple[QuantizedLinen, dict]:
+            hidden_weight: float = 1.0, seed: int = 0) -> tuple[QuantizedLinen, dict]:
     """Trains the `student` of ``model`` to reproduce the float32 embeddings of ``texts``.
 
     Args:
@@ -88,6 +103,8 @@ def distill(model, params: dict, tokenizer, spec: jq.QuantSpec, texts: list[str]
       texts: training text (`distillation_texts`).
       steps: Adam steps, ``batch_size`` texts each, drawn without replacement per step.
       learning_rate: Adam's.
+      hidden_weight: the weight of the layer outputs' relative error (0: the
+        embeddings' cosine alone).
       seed: batch order.
 
     Returns:
@@ -98,24 +115,26 @@ def distill(model, params: dict, tokenizer, spec: jq.QuantSpec, texts: list[str]
     qm = student(model, spec)
     tokens = minilm_model.tokenize(tokenizer, texts)
     lengths = tokens["attention_mask"].sum(axis=1)
-    float_embed = jax.jit(lambda p, b: model.apply(p, **b))
-    teacher = np.concatenate([
-        np.asarray(float_embed(params, {k: jnp.asarray(v[i:i + 256]) for k, v in tokens.items()}))
-        for i in range(0, len(texts), 256)])
     batch = {k: jnp.asarray(v[:2]) for k, v in tokens.items()}
     _, init = qm.apply(params, **batch, mutable=["quant"])  # absmax scales of the kernels
     variables = {**params, "quant": init["quant"]}
     tx = optax.adam(learning_rate)
     state = tx.init(variables)
 
-    def loss(v, b, target):
-        return jnp.mean(1.0 - jnp.sum(qm.apply(v, **b) * target, axis=-1))
+    def loss(v, teacher, b):
+        t_emb, t_layers = embeddings_and_layers(model.apply, teacher, b)
+        emb, layers = embeddings_and_layers(qm.apply, v, b)
+        cosine = jnp.mean(1.0 - jnp.sum(emb * t_emb, axis=-1))
+        real = b["attention_mask"][..., None].astype(jnp.float32)
+        hidden = sum(jnp.sum(jnp.square(s - t) * real) / jnp.sum(jnp.square(t) * real)
+                     for s, t in zip(layers, t_layers, strict=True)) / len(layers)
+        return cosine + hidden_weight * hidden, cosine
 
     @jax.jit
-    def step(v, state, b, target):
-        value, grads = jax.value_and_grad(loss)(v, b, target)
+    def step(v, state, teacher, b):
+        (_, cosine), grads = jax.value_and_grad(loss, has_aux=True)(v, teacher, b)
         updates, state = tx.update(grads, state, v)
-        return optax.apply_updates(v, updates), state, value
+        return optax.apply_updates(v, updates), state, cosine
 
     rng = np.random.default_rng(seed)
     start = time.perf_counter()
@@ -123,7 +142,7 @@ def distill(model, params: dict, tokenizer, spec: jq.QuantSpec, texts: list[str]
         idx = rng.choice(len(texts), batch_size, replace=False)
         width = -(-int(lengths[idx].max()) // 32) * 32  # a few padded widths: a few compiles
         b = {k: jnp.asarray(v[idx, :width]) for k, v in tokens.items()}
-        variables, state, value = step(variables, state, b, jnp.asarray(teacher[idx]))
+        variables, state, value = step(variables, state, params, b)
         if i % 100 == 0 or i == steps - 1:
             print(f"  distill {spec.dtype} step {i}: 1 - cos {float(value):.5f} "
                   f"({time.perf_counter() - start:.0f} s)", file=sys.stderr)

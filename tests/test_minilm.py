@@ -270,6 +270,18 @@ def test_distillation_texts_never_the_evaluation_sentences():
     assert minilm_qat.distillation_texts(sentences) == texts  # seeded
 
 
+def test_embeddings_and_layers_reads_every_layer_output(loaded):
+    model, params, batch = loaded
+    emb, layers = minilm_qat.embeddings_and_layers(model.apply, params, batch)
+    np.testing.assert_array_equal(emb, model.apply(params, **batch))
+    assert len(layers) == 6 and all(h.shape == (*batch["input_ids"].shape, 384) for h in layers)
+    weights = batch["attention_mask"][..., None].astype(jnp.float32)
+    pooled = (layers[-1] * weights).sum(axis=1) / weights.sum(axis=1)  # the last is the output
+    np.testing.assert_allclose(pooled / jnp.linalg.norm(pooled, axis=-1, keepdims=True), emb,
+                               atol=1e-6)
+    assert not np.allclose(layers[0], layers[1])
+
+
 def test_distill_lowers_the_training_loss_and_quantizes_with_learned_scales(loaded):
     model, params, batch = loaded
     _, _, tokenizer = minilm_model.load()
