@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxquant._barriers import gemm_operand
 from jaxquant._formats import get_format
 from jaxquant._granularity import expand, normalize_axis
 from jaxquant._packing import PackedArray, sign_extend, split_groups, unpack_fields
@@ -217,7 +218,7 @@ def int_dot_parts(parts, dims, block, out_dtype, out_sharding):
         contract = tuple((k + 1,) for k in ks)
     nfree = [p[0].ndim - len(c) - len(bt) for p, c, bt in zip(parts, contract, batch,
                                                               strict=True)]
-    acc = lax.dot_general(parts[0][0], parts[1][0], (contract, batch),
+    acc = lax.dot_general(gemm_operand(parts[0][0]), gemm_operand(parts[1][0]), (contract, batch),
                           preferred_element_type=jnp.int32,
                           out_sharding=None if block else out_sharding)
 

@@ -26,6 +26,9 @@ x86 does), subnormal and overflowing quotients keep the hardware result.
 
 Float8 codes get the same care: XLA:GPU converts every NaN to one positive
 pattern, where ONNX (through ml_dtypes) keeps the sign (`signed_nan_codes`).
+And XLA:GPU, which by default allows "excess precision", deletes a cast to a
+narrow float type that is cast back to float32 in the same program:
+`jaxquant._barriers.keep_rounding` keeps the codes.
 
 On CPU the division instruction (``divps``) is already correctly rounded, so
 `divide` keeps it there, with a divisor XLA cannot prove is a broadcast
@@ -48,6 +51,7 @@ import jax.numpy as jnp
 import ml_dtypes
 from jax import lax
 
+from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import encode
 from jaxquant._formats import Format
 
@@ -329,6 +333,7 @@ def round_to_codes(
             # for float8 would turn -0.0 into +0.0.
             t = t + zero_point.astype(jnp.float32)
         codes = (jnp.clip(t, -fmt.max_finite, fmt.max_finite) if saturate else t).astype(fmt.dtype)
+        codes = keep_rounding(codes)
         if fmt.name not in NAN_CODES:
             return codes
         return lax.platform_dependent(t, codes, cpu=lambda t, codes: codes,

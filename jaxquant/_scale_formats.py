@@ -39,6 +39,7 @@ import ml_dtypes
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxquant._barriers import keep_rounding
 from jaxquant._formats import Format, get_format
 from jaxquant._rounding import exponent, pow2
 
@@ -166,5 +167,5 @@ def store_scale(scale: jax.Array, amax: jax.Array, fmt: Format, options: ScaleOp
         nested = dataclasses.replace(
             nested, qvalue=jax.lax.bitcast_convert_type(bits, nested.qvalue.dtype))
         return nested, dequantize_values(nested)
-    stored = scale.astype(dt) if dt is not None else scale
+    stored = keep_rounding(scale.astype(dt)) if dt is not None else scale
     return stored, stored.astype(jnp.float32)

@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxquant._barriers import gemm_operand
 from jaxquant._granularity import Layout, apply_grouped
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
@@ -151,6 +152,16 @@ def _phase(qt: QTensor, j: int, layout: Layout) -> jax.Array:
                          layout, strided(qt.scale.astype(jnp.float32)), zp)
 
 
+def _gemm_ready(qt: QTensor) -> QTensor:
+    """``qt`` with unpacked sub-byte integer codes widened to 8 bits (`gemm_operand`)."""
+    codes = qt.qvalue
+    if isinstance(codes, PackedArray) or not qt.format.is_integer or qt.format.bits >= 8:
+        return qt
+    wide = gemm_operand(codes)
+    zp = None if qt.zero_point is None else qt.zero_point.astype(wide.dtype)
+    return dataclasses.replace(qt, qvalue=wide, zero_point=zp)
+
+
 def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, out_sharding):
     """``lax.dot_general(lhs, rhs, dims, ...)`` with `QTensor` operands dequantized (traceable).
 
@@ -170,7 +181,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         for i in (0, 1):
             if _is_q(ops[i]) and i not in split:
                 dtype = ops[i].dtype if _is_q(ops[1 - i]) else ops[1 - i].dtype
-                ops[i] = dequantize_values(ops[i]).astype(dtype)
+                ops[i] = dequantize_values(_gemm_ready(ops[i])).astype(dtype)
         if not split:
             return float_dot(*ops)
         (i,), qt, other = split, ops[split[0]], ops[1 - split[0]]

@@ -8,6 +8,7 @@ import jax.extend.core
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from host_mesh import host_mesh
 from jaxpr_utils import find_eqns
 
 import jaxquant as jq
@@ -312,7 +313,7 @@ def test_weight_only_on_explicitly_sharded_mesh(spec):
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    mesh = host_mesh((2, 4), ("data", "model"))
     w = jax.random.normal(jax.random.key(0), (64, 256))
     x = jax.random.normal(jax.random.key(1), (16, 64))
     dims = (((1,), (0,)), ((), ()))

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from host_mesh import host_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -19,11 +20,7 @@ import jaxquant as jq
 
 def _mesh(axis_type=jax.sharding.AxisType.Explicit):
     """A 2 x 4 mesh of host CPU devices (also where the default backend is a GPU)."""
-    cpus = jax.devices("cpu")
-    if len(cpus) < 8:  # conftest asks for 8 host devices
-        pytest.fail(f"tests/conftest.py should give 8 CPU devices, got {len(cpus)}")
-    return jax.make_mesh((2, 4), ("data", "model"), axis_types=(axis_type,) * 2,
-                         devices=cpus[:8])
+    return host_mesh((2, 4), ("data", "model"), axis_type)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,96 @@
+"""Optimization barriers against XLA:GPU rewrites: present in programs lowered for GPUs and
+TPUs, absent (fusion untouched) on CPU, and never a change of value or dtype where it matters.
+
+The failures they prevent were seen on an NVIDIA H100 (jaxlib 0.11.2): a jitted MXFP4/NVFP4
+fake quantization came back unrounded, int8 x int8 dots of freshly quantized activations
+returned doubled products, and weight-only dots of unpacked int4 codes wrong sums. CI has no
+GPU, so these tests check the programs JAX lowers for one (``lowering_platforms``).
+"""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+from jaxquant._barriers import gemm_operand, keep_rounding
+from jaxquant._dot import ActQuant, qdot_general
+
+DN = (((1,), (0,)), ((), ()))
+
+
+def _lowered(fn, *args, platform):
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def _barrier_types(text):
+    """The element types of every optimization barrier's results, in order."""
+    return re.findall(r"stablehlo\.optimization_barrier [^\n]*: tensor<[0-9x]*([a-zA-Z0-9]+)>",
+                      text)
+
+
+@pytest.mark.parametrize("name,types", [("mxfp4", ["f4E2M1FN"]),
+                                        ("nvfp4", ["f4E2M1FN", "f8E4M3FN"]),
+                                        ("float8_e4m3fn", ["f8E4M3FN"])])
+def test_narrow_float_codes_sit_behind_a_barrier_off_cpu(name, types):
+    x = jnp.linspace(-5.0, 5.0, 256).reshape(4, 64)
+    fq = lambda x: jq.fake_quant(x, dtype=name)  # noqa: E731
+    for platform in ("cuda", "rocm", "tpu"):
+        assert sorted(_barrier_types(_lowered(fq, x, platform=platform))) == sorted(types)
+    assert _barrier_types(_lowered(fq, x, platform="cpu")) == []
+
+
+@pytest.mark.parametrize("name", ["int8", "int4"])
+def test_integer_fake_quant_has_no_barrier(name):
+    x = jnp.linspace(-5.0, 5.0, 256).reshape(4, 64)
+    assert _barrier_types(_lowered(lambda x: jq.fake_quant(x, dtype=name), x,
+                                   platform="cuda")) == []
+
+
+def test_int8_dot_operands_sit_behind_barriers_off_cpu():
+    x = jax.random.normal(jax.random.key(0), (16, 8))
+    w = jq.quantize(jax.random.normal(jax.random.key(1), (8, 16)), axis=1)
+    f = lambda x, w: qdot_general(x, w, DN, act_quant=ActQuant())  # noqa: E731
+    assert _barrier_types(_lowered(f, x, w, platform="cuda")) == ["i8", "i8"]
+    assert _barrier_types(_lowered(f, x, w, platform="cpu")) == []
+
+
+@pytest.mark.parametrize("dtype,widened", [("int4", "i8"), ("uint4", "ui8"), ("int2", "i8")])
+def test_unpacked_sub_byte_weights_are_widened_behind_a_barrier_off_cpu(dtype, widened):
+    x = jax.random.normal(jax.random.key(0), (5, 70))
+    w = jq.quantize(jax.random.normal(jax.random.key(1), (33, 70)), dtype=dtype, axis=0,
+                    symmetric=not dtype.startswith("u"))
+    f = lambda x, w: qdot_general(x, w, (((1,), (1,)), ((), ())))  # noqa: E731
+    assert _barrier_types(_lowered(f, x, w, platform="cuda")) == [widened]
+    assert _barrier_types(_lowered(f, x, w, platform="cpu")) == []
+    ref = np.asarray(x, np.float64) @ np.asarray(jq.dequantize(w), np.float64).T
+    np.testing.assert_allclose(np.asarray(jax.jit(f)(x, w)), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_int8_and_packed_weights_keep_their_fusion():
+    x = jax.random.normal(jax.random.key(0), (5, 64))
+    w = jax.random.normal(jax.random.key(1), (64, 32))
+    f = lambda x, w: qdot_general(x, w, DN)  # noqa: E731
+    for q in (jq.quantize(w, axis=1), jq.quantize(w, dtype="int4", axis=1, packed=True)):
+        assert _barrier_types(_lowered(f, x, q, platform="cuda")) == []
+
+
+def test_gemm_operand_values_and_dtypes():
+    for dtype, wide in [(jnp.int4, jnp.int8), (jnp.uint4, jnp.uint8), (jnp.int2, jnp.int8),
+                        (jnp.uint2, jnp.uint8), (jnp.int8, jnp.int8), (jnp.uint8, jnp.uint8)]:
+        info = jnp.iinfo(dtype)
+        codes = jnp.arange(info.min, info.max + 1).astype(dtype)
+        out = jax.jit(gemm_operand)(codes)
+        assert out.dtype == wide
+        np.testing.assert_array_equal(np.asarray(out, np.int32), np.asarray(codes, np.int32))
+
+
+def test_keep_rounding_is_the_identity():
+    t = jnp.linspace(-6.0, 6.0, 97)
+    for dtype in (jnp.float4_e2m1fn, jnp.float8_e4m3fn, jnp.float8_e5m2):
+        c = t.astype(dtype)
+        out = jax.jit(keep_rounding)(c)
+        assert out.dtype == c.dtype
+        np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(c).view(np.uint8))
