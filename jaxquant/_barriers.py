@@ -16,7 +16,8 @@ An optimization barrier hides an array's producer from the consumer: the
 narrow codes are written to memory and read back (a small buffer: one or two
 bytes per element). For weight-only dots that means unpacked sub-byte weights
 are widened to int8 in memory on each call there; packed weights (how int4 is
-stored for inference) and int8 or float8 weights keep their fused dequantization. XLA:CPU has neither behaviour, so there the arrays pass
+stored for inference) and int8 or float8 weights keep their fused
+dequantization. XLA:CPU has neither behaviour, so there the arrays pass
 straight through and fusion is untouched (``jax.lax.platform_dependent``
 picks the branch when the program is lowered).
 """
