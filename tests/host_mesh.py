@@ -1,14 +1,14 @@
 """Meshes of host CPU devices for the sharding tests, also where the default backend is a GPU."""
 
+import math
+
 import jax
 import pytest
 
 
 def host_mesh(shape, names, axis_types=None):
     """A mesh of ``prod(shape)`` host CPU devices (tests/conftest.py asks XLA for 8 of them)."""
-    count = 1
-    for n in shape:
-        count *= n
+    count = math.prod(shape)
     cpus = jax.devices("cpu")
     if len(cpus) < count:
         pytest.fail(f"tests/conftest.py should give {count} CPU devices, got {len(cpus)}")
