@@ -12,32 +12,44 @@ a plain ``jnp`` expression and that definition:
   2 ulps, and about 1 ulp off on a few quotients in a hundred).
 * Quantization is memory-bound: a fix must not cost a pass over memory.
 
-`divide` therefore takes the quotient the hardware gives and corrects it
-(`correct_quotient`), in the same fused loop: operands are scaled to
-``[1, 2)`` by their exponent bits, one Newton step brings the quotient within
-an ulp, and one exact step picks between it and its neighbours by the sign of
-the residual ``x - q * s`` against half a gap times ``s``. The residual is
-computed exactly: operands are split into 12-bit halves by bit masks, so
-every partial product is exact and a fused multiply-add (which XLA may form
-on any backend) cannot change a result. A quotient of two float32 numbers is
-never exactly halfway between two float32 numbers, so there is no tie to
-break. Zeros, infinities, NaN (propagated from ``x``, then ``scale``, as
-x86 does), subnormal and overflowing quotients keep the hardware result.
+`divide` therefore picks, per backend, when the program is lowered
+(``jax.lax.platform_dependent``):
+
+* CPU: the division instruction (``divps``), already correctly rounded, with a
+  divisor XLA cannot prove is a broadcast (``where(x == x, s, 1)``; never
+  changes a value), which stops the reciprocal rewrite. Memory-bound, as a
+  plain ``x / s``.
+* GPUs (CUDA, ROCm): the quotient computed in float64 and rounded to float32
+  (`jaxquant._wide_division`): a float64 quotient within a few float64 ulps
+  is on the right side of every float32 rounding midpoint, so neither the
+  reciprocal rewrite nor an approximate division can move the result. One
+  converted division per element, so compile time stays that of a plain
+  ``x / s``.
+* Every other backend (TPUs, which have no float64 units): the hardware
+  quotient corrected in float32 (`correct_quotient`), in the same fused loop:
+  operands are scaled to ``[1, 2)`` by their exponent bits, one Newton step
+  brings the quotient within an ulp, and one exact step picks between it and
+  its neighbours by the sign of the residual ``x - q * s`` against half a gap
+  times ``s``. The residual is computed exactly: operands are split into
+  12-bit halves by bit masks, so every partial product is exact and a fused
+  multiply-add (which XLA may form on any backend) cannot change a result. A
+  quotient of two float32 numbers is never exactly halfway between two float32
+  numbers, so there is no tie to break. Zeros, infinities, NaN, subnormal and
+  overflowing quotients keep the hardware result. These ~40 extra operations
+  per element cost compile time: on a GPU (where this was the path until
+  float64 replaced it) whole-tree quantization of GPT-2 small compiled in 14 s
+  instead of 0.7 s; on CPU it would also make int8 quantization about 6x
+  slower (32 ms against 5.1 ms for a 4096 x 4096 array, medians of 15 rounds
+  on 2 shared cores).
+
+Off CPU, NaN operands propagate as on x86: ``x``'s NaN (quieted, with its
+sign) first, then ``scale``'s.
 
 Float8 codes get the same care: XLA:GPU converts every NaN to one positive
 pattern, where ONNX (through ml_dtypes) keeps the sign (`signed_nan_codes`).
 And XLA:GPU, which by default allows "excess precision", deletes a cast to a
 narrow float type that is cast back to float32 in the same program:
 `jaxquant._barriers.keep_rounding` keeps the codes.
-
-On CPU the division instruction (``divps``) is already correctly rounded, so
-`divide` keeps it there, with a divisor XLA cannot prove is a broadcast
-(``where(x == x, s, 1)``; never changes a value), which stops the reciprocal
-rewrite. The corrected form (about 40 more float and integer operations per
-element) is selected for every other backend by ``jax.lax.platform_dependent``
-at lowering time: on CPU it would make int8 quantization about 6x slower
-(compute-bound instead of memory-bound: 32 ms against 5.1 ms for a
-4096 x 4096 array, medians of 15 rounds on 2 shared cores).
 
 One limit is the hardware's, not ours: XLA:CPU flushes float32 subnormals to
 zero, so scales below ``2**-126`` (about ``1.2e-38``) are not supported;
@@ -54,6 +66,7 @@ from jax import lax
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import encode
 from jaxquant._formats import Format
+from jaxquant._wide_division import wide_divide
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
            "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "quotient"]
@@ -184,14 +197,19 @@ def _corrected_division(x: jax.Array, scale: jax.Array) -> jax.Array:
     return _nan_propagated(x, scale, correct_quotient(x, scale, _plain_division(x, scale)))
 
 
+def _wide_division(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return _nan_propagated(x, scale, wide_divide(x, scale))
+
+
 @jax.custom_jvp
 def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
     """The correctly rounded float32 quotient ``x / scale``, elementwise, on every backend.
 
-    On CPU this is the hardware division (correctly rounded); elsewhere the
-    hardware quotient corrected by `correct_quotient` (see the module
-    docstring). NaN operands propagate as on x86 (``x``'s NaN first, with its
-    sign). Differentiable as ``x / scale``.
+    On CPU this is the hardware division (correctly rounded); on GPUs a
+    float64 division rounded to float32; elsewhere the hardware quotient
+    corrected by `correct_quotient` (see the module docstring). NaN operands
+    propagate as on x86 (``x``'s NaN first, with its sign). Differentiable as
+    ``x / scale``.
 
     Args:
       x: float32 array.
@@ -207,7 +225,8 @@ def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
       True
     """
     x, scale = jnp.asarray(x, _F32), jnp.asarray(scale, _F32)
-    return lax.platform_dependent(x, scale, cpu=_plain_division, default=_corrected_division)
+    return lax.platform_dependent(x, scale, cpu=_plain_division, cuda=_wide_division,
+                                  rocm=_wide_division, default=_corrected_division)
 
 
 @divide.defjvp

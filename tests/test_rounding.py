@@ -3,8 +3,9 @@
 `correct_quotient` is fed deliberately inexact quotients (the reciprocal
 rewrite ``x * (1 / s)``, and the true quotient moved by up to 64 ulps) and
 must return NumPy's correctly rounded ``np.float32(x) / np.float32(s)`` bit for
-bit. This is what `divide` does on GPU, whose division is not correctly
-rounded; the CPU (which runs these tests in CI) checks the same code path. The
+bit. This is what `divide` does on TPUs (and on any backend but CPUs and GPUs),
+whose division is not correctly rounded; the CPU (which runs these tests in CI)
+checks the same code path. The
 float8 NaN fixes that the GPU needs are checked the same way, on quotients and
 codes shaped like the GPU's (one positive NaN pattern).
 
@@ -23,6 +24,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+import jaxquant._rounding as rounding
 from jaxquant._quantize import _signed_nan
 from jaxquant._rounding import (
     _corrected_division,
@@ -229,8 +231,19 @@ def _near_tie_data(rng, rows: int, cols: int):
     return x, scale
 
 
+@pytest.fixture(params=["cpu", "gpu"])
+def division(request, monkeypatch):
+    """The CPU's division, or (on the CPU) the float64 one `divide` lowers to on GPUs."""
+    if request.param == "gpu":
+        jax.clear_caches()  # programs traced with the CPU's division
+        monkeypatch.setattr(rounding, "_plain_division", rounding._wide_division)
+    yield request.param
+    if request.param == "gpu":
+        jax.clear_caches()
+
+
 @pytest.mark.parametrize("name", ["int8", "uint8", "int4", "float8_e4m3fn", "float8_e5m2"])
-def test_quantize_codes_exact_at_scale(name):
+def test_quantize_codes_exact_at_scale(name, division):
     rng = np.random.default_rng(sum(map(ord, name)))
     fmt = jq.get_format(name)
     x, scale = _near_tie_data(rng, max(EXACT_SIZE // 1024, 1), 1024)
@@ -246,7 +259,10 @@ def test_quantize_codes_exact_at_scale(name):
         ref = np.clip(t, -fmt.max_finite, fmt.max_finite).astype(fmt.dtype)
         checked[:] = True  # NaN codes too: ml_dtypes' patterns, sign kept
         assert np.any(np.isnan(ref.astype(np.float32)) & (ref.view(np.uint8) >= 0x80))
-    got = np.asarray(jq.quantize(x, scale, zp, dtype=fmt.dtype, axis=0).qvalue)
+    quantize = jax.jit(jq.quantize, static_argnames=("dtype", "axis"))
+    if division == "gpu":  # the swap took effect
+        assert "xf64>" in quantize.lower(x, scale, zp, dtype=fmt.dtype, axis=0).as_text()
+    got = np.asarray(quantize(x, scale, zp, dtype=fmt.dtype, axis=0).qvalue)
     assert got.dtype == ref.dtype
     a, e = got.view(np.uint8), ref.view(np.uint8)
     bad = np.flatnonzero((a != e) & checked)
