@@ -26,6 +26,12 @@ scales are, per scale group, the absmax scale times the ratio in
 "GPTQ" kernels come from `jaxquant.gptq` with each Dense layer's input Gram
 matrix over the 470 calibration sentences of standard-library docstrings
 (`calibration_sentences`, never the evaluation sentences; padding excluded).
+"with zero points": min/max scales and a zero point per block of 32 (all 16
+int4 codes in use; the other int4 rows are symmetric, absmax scales). The
+"Hadamard-rotated" rows quantize a rotated model that computes the same
+function: the FFN down-projections' inputs (`minilm_model.rotate_ffn`), or
+every Dense layer's input (`minilm_model.rotate_inputs`), rotated in the model
+and the kernels rotated to match.
 The "QAT-distilled" row trains the fake-quantized model with learned scales to
 reproduce the float32 embeddings of other text (`benchmarks.minilm_qat`;
 ``--qat-steps`` Adam steps, default 400, about 7 minutes on 2 cores; 0 drops the row),
@@ -113,8 +119,9 @@ class Variant:
     """One row of the table: kernel rules, the embedding spec, the dot, the scale choice.
 
     ``torch`` marks the rows also computed by PyTorch (`benchmarks.minilm_reference`):
-    one kernel spec for every ``nn.Linear``, absmax scales. ``rotated`` rows quantize
-    the Hadamard-rotated model of `minilm_model.rotate_ffn` (the same function).
+    one kernel spec for every ``nn.Linear``, absmax scales. ``rotation`` names the
+    Hadamard-rotated model (the same function) whose kernels a row quantizes: "ffn"
+    (`minilm_model.rotate_ffn`) or "inputs" (`minilm_model.rotate_inputs`).
     """
 
     name: str
@@ -125,7 +132,7 @@ class Variant:
     gptq: bool = False
     act_order: bool = False
     distilled: bool = False
-    rotated: bool = False
+    rotation: str | None = None
     torch: bool = False
 
 
@@ -135,11 +142,18 @@ INT8_CHANNEL = jq.QuantSpec(dtype=jnp.int8, axis=-1)
 INT8_BLOCK32 = jq.QuantSpec(dtype=jnp.int8, axis=0, block_size=32)
 FP8_CHANNEL = jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=-1)
 FFN = r"layer_\d+/(intermediate|output)/dense/kernel$"
+ROTATIONS = {"ffn": minilm_model.rotate_ffn, "inputs": minilm_model.rotate_inputs}
+"""``Variant.rotation`` -> the function that rotates ``(model, params)``."""
 
 
-def int4_blocks(block_size: int) -> jq.QuantSpec:
-    """Packed int4, blocks of ``block_size`` along a kernel's input (contracting) axis."""
-    return jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=block_size, packed=True)
+def int4_blocks(block_size: int, symmetric: bool = True) -> jq.QuantSpec:
+    """Packed int4, blocks of ``block_size`` along a kernel's input (contracting) axis;
+    ``symmetric=False``: min/max scales with a zero point per block (all 16 codes used)."""
+    return jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=block_size, packed=True,
+                        symmetric=symmetric)
+
+
+INT4_ZP32 = int4_blocks(32, symmetric=False)
 
 
 def all_kernels(spec: jq.QuantSpec) -> tuple:
@@ -154,9 +168,9 @@ VARIANTS = (
     Variant("int8 per-channel, weight-only, GPTQ", all_kernels(INT8_CHANNEL), INT8_ROWS,
             gptq=True),
     Variant("int8 per-channel, weight-only, Hadamard-rotated FFN input",
-            all_kernels(INT8_CHANNEL), INT8_ROWS, rotated=True),
+            all_kernels(INT8_CHANNEL), INT8_ROWS, rotation="ffn"),
     Variant("int8 per-channel, weight-only, GPTQ, Hadamard-rotated FFN input",
-            all_kernels(INT8_CHANNEL), INT8_ROWS, gptq=True, rotated=True),
+            all_kernels(INT8_CHANNEL), INT8_ROWS, gptq=True, rotation="ffn"),
     Variant("int8 W+A (per-channel weights, per-token dynamic act.)", all_kernels(INT8_CHANNEL),
             INT8_ROWS, jq.ActQuant()),
     *(Variant(f"int4 block {b} packed, weight-only", all_kernels(int4_blocks(b)), INT8_ROWS,
@@ -167,6 +181,12 @@ VARIANTS = (
             gptq=True),
     Variant("int4 block 32 packed, weight-only, GPTQ act-order", all_kernels(int4_blocks(32)),
             INT8_ROWS, gptq=True, act_order=True),
+    Variant("int4 block 32 packed with zero points, weight-only", all_kernels(INT4_ZP32),
+            INT8_ROWS),
+    Variant("int4 block 32 packed with zero points, weight-only, GPTQ", all_kernels(INT4_ZP32),
+            INT8_ROWS, gptq=True),
+    Variant("int4 block 32 packed with zero points, weight-only, GPTQ, Hadamard-rotated inputs",
+            all_kernels(INT4_ZP32), INT8_ROWS, gptq=True, rotation="inputs"),
     Variant("int4 block 32 packed, weight-only, QAT-distilled", all_kernels(int4_blocks(32)),
             INT8_ROWS, distilled=True),
     Variant("int4 block 32 attention + int8 per-channel FFN, weight-only",
@@ -264,9 +284,9 @@ def run(rounds: int, calls: int, qat_steps: int = 400) -> dict:
     fns, rows, ref = {}, [], None
     calibration = {k: jnp.asarray(v) for k, v in
                    minilm_model.tokenize(tokenizer, calibration_sentences()).items()}
-    rotated = minilm_model.rotate_ffn(model, params)
-    grams = {False: input_grams(model, params, calibration),
-             True: input_grams(*rotated, calibration)}
+    models = {None: (model, params),
+              **{name: rotate(model, params) for name, rotate in ROTATIONS.items()}}
+    grams = {name: input_grams(*m, calibration) for name, m in models.items()}
     texts = minilm_qat.distillation_texts(calibration_sentences()) if qat_steps else []
     for variant in VARIANTS:
         if variant.distilled and not qat_steps:
@@ -277,10 +297,9 @@ def run(rounds: int, calls: int, qat_steps: int = 400) -> dict:
             tree = jq.quantize_tree(qm.quantize_params(trained, **batch),
                                     [("_embeddings/embedding$", variant.embedding)])
         else:
-            tree = quantize_params(rotated[1] if variant.rotated else params, variant,
-                                   grams[variant.rotated])
-        fn = encoder(rotated[0] if variant.rotated else model, variant.act_quant,
-                     bool(variant.kernels))
+            tree = quantize_params(models[variant.rotation][1], variant,
+                                   grams[variant.rotation])
+        fn = encoder(models[variant.rotation][0], variant.act_quant, bool(variant.kernels))
         emb = np.asarray(fn(tree, batch))
         ref = emb if ref is None else ref
         row = {"variant": variant.name, **metrics(emb, ref),

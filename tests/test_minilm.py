@@ -47,8 +47,8 @@ def loaded():
              minilm_model.tokenize(tokenizer, minilm.SENTENCES).items()}
     calibration = {k: jnp.asarray(v) for k, v in
                    minilm_model.tokenize(tokenizer, minilm.calibration_sentences()).items()}
-    _grams["grams"] = minilm.input_grams(model, params, calibration)
-    _grams["rotated"] = minilm.input_grams(*minilm_model.rotate_ffn(model, params), calibration)
+    for name, rotate in {None: lambda m, p: (m, p), **minilm.ROTATIONS}.items():
+        _grams[name] = minilm.input_grams(*rotate(model, params), calibration)
     return model, params, batch
 
 
@@ -62,10 +62,9 @@ def embed(loaded, variant):
     """The variant's embeddings of the 40 sentences (computed once per module)."""
     if variant.name not in _cache:
         model, params, batch = loaded
-        if variant.rotated:
-            model, params = minilm_model.rotate_ffn(model, params)
-        tree = minilm.quantize_params(params, variant,
-                                      _grams["rotated" if variant.rotated else "grams"])
+        if variant.rotation:
+            model, params = minilm.ROTATIONS[variant.rotation](model, params)
+        tree = minilm.quantize_params(params, variant, _grams[variant.rotation])
         fn = minilm.encoder(model, variant.act_quant, bool(variant.kernels))
         _cache[variant.name] = np.asarray(fn(tree, batch))
     return _cache[variant.name]
@@ -120,6 +119,19 @@ def test_rotated_model_computes_the_same_embeddings(loaded):
         minilm_model.rotate_ffn(rotated_model, rotated)
 
 
+def test_model_with_rotated_inputs_computes_the_same_embeddings(loaded):
+    model, params, batch = loaded
+    rotated_model, rotated = minilm_model.rotate_inputs(model, params)
+    changed = [path for path, a in jax.tree_util.tree_leaves_with_path(rotated)
+               if not np.array_equal(a, _leaf(params, path))]
+    assert len(changed) == 36 and all(p[-1].key == "kernel" for p in changed)
+    np.testing.assert_allclose(rotated_model.apply(rotated, **batch), model.apply(params, **batch),
+                               atol=2e-6)
+    for rotate in (minilm_model.rotate_inputs, minilm_model.rotate_ffn):
+        with pytest.raises(ValueError, match="already rotated"):
+            rotate(rotated_model, rotated)
+
+
 def _leaf(tree, path):
     for key in path:
         tree = tree[key.key]
@@ -148,7 +160,7 @@ def test_calibration_sentences_and_grams(loaded):
     sentences = minilm.calibration_sentences()
     assert len(sentences) > 400 and not set(sentences) & set(minilm.SENTENCES)
     assert minilm.calibration_sentences(10) == sentences[:10]
-    grams = _grams["grams"]
+    grams = _grams[None]
     assert len(grams) == 36  # every Dense layer
     h = grams["encoder/layer_0/output/dense"]
     assert h.shape == (1536, 1536)
@@ -161,6 +173,16 @@ def test_gptq_int4_closer_to_float_than_round_to_nearest(loaded):
     rtn = cosines(embed(loaded, INT4), ref)
     gptq = cosines(embed(loaded, VARIANTS["int4 block 32 packed, weight-only, GPTQ"]), ref)
     assert gptq.mean() > rtn.mean() + 0.005 and gptq.min() > rtn.min()
+
+
+def test_zero_points_gptq_and_rotated_inputs_each_bring_int4_closer(loaded):
+    ref = embed(loaded, minilm.VARIANTS[0])
+    name = "int4 block 32 packed with zero points, weight-only"
+    steps = [cosines(embed(loaded, VARIANTS[n]), ref).min() for n in (
+        "int4 block 32 packed, weight-only", name, f"{name}, GPTQ",
+        f"{name}, GPTQ, Hadamard-rotated inputs")]
+    assert steps == sorted(steps) and len(set(steps)) == 4
+    assert steps[-1] >= 0.95  # 0.956 measured; the target (0.98) is not met
 
 
 def test_packed_and_unpacked_int4_agree(loaded):
