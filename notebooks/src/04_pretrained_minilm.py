@@ -292,8 +292,8 @@ print(f"rotated float model: max |embedding difference| "
       f"{np.abs(np.asarray(rot_float_fn(rot_params, batch)) - float_emb).max():.1e}")
 calibration = {k: jnp.asarray(v) for k, v in
                minilm_model.tokenize(tokenizer, calibration_sentences()).items()}
-grams = {False: input_grams(model, params, calibration),
-         True: input_grams(rot_model, rot_params, calibration)}
+grams = {None: input_grams(model, params, calibration),
+         "ffn": input_grams(rot_model, rot_params, calibration)}
 
 
 def int8_label(variant):
@@ -303,8 +303,8 @@ def int8_label(variant):
 
 def int8_embeddings(variant):
     """Quantizes (with GPTQ where the variant says so) and embeds, as the benchmark does."""
-    m, p = (rot_model, rot_params) if variant.rotated else (model, params)
-    tree = quantize_params(p, variant, grams[variant.rotated])
+    m, p = (rot_model, rot_params) if variant.rotation == "ffn" else (model, params)
+    tree = quantize_params(p, variant, grams[variant.rotation])
     return np.asarray(encoder(m, None, True)(tree, batch))
 
 
