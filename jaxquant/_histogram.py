@@ -184,11 +184,9 @@ def update(state: HistogramState, x: jax.Array) -> HistogramState:
     grow = seen & ~fresh & ~same & ~point
     batch = _bincount(_bin_index(x, new_min[:, None], new_max[:, None], bins),
                       finite.astype(_F32), bins)
-    upscaled = lax.cond(
-        jnp.any(grow),
-        lambda: _upscale(state.hist, state.min, state.max, new_min, new_max),
-        lambda: jnp.zeros_like(state.hist),
-    )
+    upscaled = lax.cond(jnp.any(grow),
+                        lambda: _upscale(state.hist, state.min, state.max, new_min, new_max),
+                        lambda: jnp.zeros_like(state.hist))
     one = _bin_index(state.min, new_min, new_max, bins)[:, None] == jnp.arange(bins)[None]
     single = jnp.where(one, jnp.sum(state.hist, axis=1, keepdims=True), _F32(0))
     moved = jnp.where(point[:, None], single, upscaled)

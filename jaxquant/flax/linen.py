@@ -396,6 +396,4 @@ def quantize_linen(module: nn.Module, rules: Rules) -> QuantizedLinen:
       >>> bool(jnp.allclose(qm.apply(params, x), qm.apply(qparams, x), atol=1e-6))
       True
     """
-    if isinstance(rules, list):
-        rules = tuple(rules)
-    return QuantizedLinen(module, rules)
+    return QuantizedLinen(module, tuple(rules) if isinstance(rules, list) else rules)
