@@ -11,3 +11,9 @@ def find_eqns(jaxpr, name: str = "dot_general"):
             yield eqn
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from find_eqns(sub, name)
+
+
+def lowered_text(fn, *args, platform: str) -> str:
+    """The StableHLO text of ``jax.jit(fn)`` on ``args``, lowered for ``platform``
+    (``"cpu"``, ``"cuda"``, ``"rocm"``, ``"tpu"``), which need not be present."""
+    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()

@@ -13,16 +13,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_utils import lowered_text
 
 import jaxquant as jq
 from jaxquant._barriers import gemm_operand, keep_rounding
 from jaxquant._dot import ActQuant, qdot_general
 
 DN = (((1,), (0,)), ((), ()))
-
-
-def _lowered(fn, *args, platform):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
 
 
 def _barrier_types(text):
@@ -38,23 +35,23 @@ def test_narrow_float_codes_sit_behind_a_barrier_off_cpu(name, types):
     x = jnp.linspace(-5.0, 5.0, 256).reshape(4, 64)
     fq = lambda x: jq.fake_quant(x, dtype=name)  # noqa: E731
     for platform in ("cuda", "rocm", "tpu"):
-        assert sorted(_barrier_types(_lowered(fq, x, platform=platform))) == sorted(types)
-    assert _barrier_types(_lowered(fq, x, platform="cpu")) == []
+        assert sorted(_barrier_types(lowered_text(fq, x, platform=platform))) == sorted(types)
+    assert _barrier_types(lowered_text(fq, x, platform="cpu")) == []
 
 
 @pytest.mark.parametrize("name", ["int8", "int4"])
 def test_integer_fake_quant_has_no_barrier(name):
     x = jnp.linspace(-5.0, 5.0, 256).reshape(4, 64)
-    assert _barrier_types(_lowered(lambda x: jq.fake_quant(x, dtype=name), x,
-                                   platform="cuda")) == []
+    assert _barrier_types(lowered_text(lambda x: jq.fake_quant(x, dtype=name), x,
+                                       platform="cuda")) == []
 
 
 def test_int8_dot_operands_sit_behind_barriers_off_cpu():
     x = jax.random.normal(jax.random.key(0), (16, 8))
     w = jq.quantize(jax.random.normal(jax.random.key(1), (8, 16)), axis=1)
     f = lambda x, w: qdot_general(x, w, DN, act_quant=ActQuant())  # noqa: E731
-    assert _barrier_types(_lowered(f, x, w, platform="cuda")) == ["i8", "i8"]
-    assert _barrier_types(_lowered(f, x, w, platform="cpu")) == []
+    assert _barrier_types(lowered_text(f, x, w, platform="cuda")) == ["i8", "i8"]
+    assert _barrier_types(lowered_text(f, x, w, platform="cpu")) == []
 
 
 @pytest.mark.parametrize("dtype,widened", [("int4", "i8"), ("uint4", "ui8"), ("int2", "i8")])
@@ -63,8 +60,8 @@ def test_unpacked_sub_byte_weights_are_widened_behind_a_barrier_off_cpu(dtype, w
     w = jq.quantize(jax.random.normal(jax.random.key(1), (33, 70)), dtype=dtype, axis=0,
                     symmetric=not dtype.startswith("u"))
     f = lambda x, w: qdot_general(x, w, (((1,), (1,)), ((), ())))  # noqa: E731
-    assert _barrier_types(_lowered(f, x, w, platform="cuda")) == [widened]
-    assert _barrier_types(_lowered(f, x, w, platform="cpu")) == []
+    assert _barrier_types(lowered_text(f, x, w, platform="cuda")) == [widened]
+    assert _barrier_types(lowered_text(f, x, w, platform="cpu")) == []
     ref = np.asarray(x, np.float64) @ np.asarray(jq.dequantize(w), np.float64).T
     np.testing.assert_allclose(np.asarray(jax.jit(f)(x, w)), ref, rtol=1e-5, atol=1e-5)
 
@@ -74,7 +71,7 @@ def test_int8_and_packed_weights_keep_their_fusion():
     w = jax.random.normal(jax.random.key(1), (64, 32))
     f = lambda x, w: qdot_general(x, w, DN)  # noqa: E731
     for q in (jq.quantize(w, axis=1), jq.quantize(w, dtype="int4", axis=1, packed=True)):
-        assert _barrier_types(_lowered(f, x, q, platform="cuda")) == []
+        assert _barrier_types(lowered_text(f, x, q, platform="cuda")) == []
 
 
 def test_gemm_operand_values_and_dtypes():

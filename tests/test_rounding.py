@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
+from float_bits import TINY, f32, near_midpoints, u32
 
 import jaxquant as jq
 import jaxquant._rounding as rounding
@@ -33,16 +34,7 @@ from jaxquant._rounding import (
     signed_nan_codes,
 )
 
-TINY = np.finfo(np.float32).tiny
 OFFSETS = (-64, -2, -1, 0, 1, 2, 64)  # ulps (float32 bit-pattern steps) away from the quotient
-
-
-def f32(bits) -> np.ndarray:
-    return np.asarray(bits, np.uint32).view(np.float32)
-
-
-def u32(a) -> np.ndarray:
-    return np.asarray(a, np.float32).view(np.uint32)
 
 
 @jax.jit
@@ -93,16 +85,8 @@ def test_correct_quotient_is_numpy_division_on_random_values():
 
 
 def test_correct_quotient_near_midpoints():
-    """``x = RN(m * s)`` for midpoints ``m`` between two floats: the hardest cases,
-    where the reciprocal rewrite is wrong about one time in three."""
-    rng = np.random.default_rng(1)
-    n = 1 << 22
-    q = f32(rng.integers(0x3F000000, 0x40800000, n)) * np.exp2(
-        rng.integers(-40, 40, n)).astype(np.float32)
-    s = f32(rng.integers(0x3F800000, 0x40000000, n)) * np.exp2(
-        rng.integers(-40, 40, n)).astype(np.float32)
-    m = (q.astype(np.float64) + np.nextafter(q, np.float32(np.inf))) / 2
-    x = (m * s).astype(np.float32) * rng.choice(np.float32([-1, 1]), n)
+    x, s = near_midpoints(np.random.default_rng(1), 1 << 22)
+    n = x.size
     naive = x * (np.float32(1) / s)
     assert np.count_nonzero(u32(naive) != u32(x / s)) > n // 10  # the test can fail
     _check(x, s, "near midpoints")

@@ -14,32 +14,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from float_bits import TINY, f32, near_midpoints, u32
 from host_mesh import host_mesh
 from jax.sharding import PartitionSpec as P
+from jaxpr_utils import lowered_text
 
 import jaxquant._rounding as rounding
 from jaxquant._wide_division import wide_divide
-
-TINY = np.finfo(np.float32).tiny
-
-
-def f32(bits) -> np.ndarray:
-    return np.asarray(bits, np.uint32).view(np.float32)
-
-
-def u32(a) -> np.ndarray:
-    return np.asarray(a, np.float32).view(np.uint32)
-
-
-def _near_midpoints(rng, n, exp_range=40):
-    """``x = RN(m * s)`` for float32 rounding midpoints ``m``: the hardest quotients."""
-    q = f32(rng.integers(0x3F000000, 0x40800000, n)) * np.exp2(
-        rng.integers(-exp_range, exp_range, n)).astype(np.float32)
-    s = f32(rng.integers(0x3F800000, 0x40000000, n)) * np.exp2(
-        rng.integers(-exp_range, exp_range, n)).astype(np.float32)
-    m = (q.astype(np.float64) + np.nextafter(q, np.float32(np.inf))) / 2
-    x = (m * s).astype(np.float32) * rng.choice(np.float32([-1, 1]), n)
-    return x, s
 
 
 def _assert_bits_equal(got, x, s):
@@ -52,7 +33,7 @@ def _assert_bits_equal(got, x, s):
 
 
 def test_equals_numpy_near_midpoints_where_the_reciprocal_rewrite_fails():
-    x, s = _near_midpoints(np.random.default_rng(0), 1 << 22)
+    x, s = near_midpoints(np.random.default_rng(0), 1 << 22)
     naive = x * (np.float32(1) / s)
     assert np.count_nonzero(u32(naive) != u32(x / s)) > x.size // 10  # the test can fail
     _assert_bits_equal(jax.jit(wide_divide)(x, s), x, s)
@@ -70,7 +51,7 @@ def test_equals_numpy_across_the_exponent_range():
 def test_a_float64_quotient_a_few_ulps_off_still_rounds_right(ulps):
     """Why an approximate float64 division (or ``x * (1 / s)``) is safe: a float32
     quotient is at least ``2**-49`` (relative) from every float32 midpoint."""
-    x, s = _near_midpoints(np.random.default_rng(2), 1 << 22, exp_range=60)
+    x, s = near_midpoints(np.random.default_rng(2), 1 << 22, exp_range=60)
     wide = x.astype(np.float64) / s.astype(np.float64)
     moved = (wide.view(np.int64) + ulps).view(np.float64)
     recip = x.astype(np.float64) * (1.0 / s.astype(np.float64))
@@ -135,20 +116,16 @@ def test_shard_map_types_the_result_like_a_plain_division():
         jax.jit(wrong)(x, s)
 
 
-def _lowered(fn, *args, platform):
-    return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
-
-
 def test_divide_lowers_to_a_float64_division_on_gpus_only():
     x, s = jnp.ones((8, 16)), jnp.ones((1, 16))
     mantissa_mask = str(0x7FFFFF)  # a constant of the float32 correction
     for platform in ("cuda", "rocm"):
-        text = _lowered(rounding.divide, x, s, platform=platform)
+        text = lowered_text(rounding.divide, x, s, platform=platform)
         assert "stablehlo.divide" in text and "xf64>" in text
         assert mantissa_mask not in text
-    tpu = _lowered(rounding.divide, x, s, platform="tpu")
+    tpu = lowered_text(rounding.divide, x, s, platform="tpu")
     assert "xf64>" not in tpu and mantissa_mask in tpu
-    cpu = _lowered(rounding.divide, x, s, platform="cpu")
+    cpu = lowered_text(rounding.divide, x, s, platform="cpu")
     assert "xf64>" not in cpu and mantissa_mask not in cpu
     exported = jax.export.export(jax.jit(rounding.divide), platforms=("cpu", "cuda"))(x, s)
     np.testing.assert_array_equal(exported.call(x, s), np.ones((8, 16), np.float32))
