@@ -232,6 +232,67 @@ def test_learned_scale_moves_and_becomes_the_qtensor_scale():
                                np.asarray(jax.jit(qm.apply)(trained, x)), atol=1e-5)
 
 
+def test_learned_zero_point_moves_and_becomes_the_qtensor_zero_point():
+    # LSQ+: an asymmetric spec learns a float zero point beside the scale
+    model, x = MLP(), _x(32, 8)
+    y = jnp.cos(x[:, :3] * 2.0)
+    spec = jq.QuantSpec(dtype=jnp.int4, symmetric=False)
+    qm = quantize_linen(model, QuantConfig(weight=spec, learn_scale=True))
+    v = jax.jit(qm.init)(jax.random.key(6), x)
+    init = spec(v["params"]["fc1"]["kernel"])
+    np.testing.assert_array_equal(np.asarray(v["quant"]["fc1"]["kernel_scale"]),
+                                  np.asarray(init.scale))
+    z0 = v["quant"]["fc1"]["kernel_zero_point"]
+    assert z0.dtype == jnp.float32
+    np.testing.assert_array_equal(np.asarray(z0), np.asarray(init.zero_point, np.float32))
+    trained, losses = _train(qm.apply, v, x, y, steps=60, trainable=("params", "quant"))
+    assert losses[-1] < 0.5 * losses[0]
+    z1 = np.asarray(trained["quant"]["fc1"]["kernel_zero_point"])
+    assert np.abs(z1 - np.asarray(z0)).max() > 0.05  # clipped weights pulled it
+    q = qm.quantize_params(trained, x)
+    kernel = q["params"]["fc1"]["kernel"]
+    assert kernel.zero_point.dtype == jnp.int4
+    np.testing.assert_array_equal(np.asarray(kernel.zero_point, np.float32),
+                                  np.clip(np.round(z1), -8, 7))
+    np.testing.assert_array_equal(np.asarray(kernel.scale),
+                                  np.asarray(trained["quant"]["fc1"]["kernel_scale"]))
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)),
+                               np.asarray(jax.jit(qm.apply)(trained, x)), atol=1e-5)
+
+
+def test_learned_zero_point_gradients_match_torch_lsq_plus():
+    # a Dense layer's learned scale and zero point against
+    # torch._fake_quantize_learnable_per_channel_affine (uint8: PyTorch's backward
+    # truncates the zero point, which agrees with rounding for non-negative ones only)
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(11)
+    x = rng.normal(size=(6, 24)).astype(np.float32)
+    g = rng.normal(size=(6, 10)).astype(np.float32)
+    spec = jq.QuantSpec(dtype=jnp.uint8, symmetric=False)
+    qm = quantize_linen(nn.Dense(10), QuantConfig(weight=spec, learn_scale=True))
+    v = qm.init(jax.random.key(0), jnp.asarray(x))
+    scale = v["quant"]["kernel_scale"] * 0.4  # a narrower range: weights clip at both ends
+    zp = v["quant"]["kernel_zero_point"] + jnp.asarray(rng.uniform(-0.3, 0.3, 10), jnp.float32)
+    v = {"params": v["params"], "quant": {"kernel_scale": scale, "kernel_zero_point": zp}}
+    y, vjp = jax.vjp(lambda v: qm.apply(v, jnp.asarray(x)), v)
+    (grads,) = vjp(jnp.asarray(g))
+
+    kt = torch.tensor(np.asarray(v["params"]["kernel"]), requires_grad=True)
+    st = torch.tensor(np.asarray(scale), requires_grad=True)
+    zt = torch.tensor(np.asarray(zp), requires_grad=True)
+    fq = torch._fake_quantize_learnable_per_channel_affine(kt, st, zt, 1, 0, 255, 1.0)
+    yt = torch.from_numpy(x) @ fq + torch.tensor(np.asarray(v["params"]["bias"]))
+    yt.backward(torch.from_numpy(g))
+    np.testing.assert_allclose(np.asarray(y), yt.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads["params"]["kernel"]), kt.grad.numpy(),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(grads["quant"]["kernel_scale"]), st.grad.numpy(),
+                               rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(grads["quant"]["kernel_zero_point"]),
+                               zt.grad.numpy(), rtol=1e-5, atol=1e-6)
+    assert np.all(np.abs(zt.grad.numpy()) > 0)  # every channel clips: LSQ+ moves them all
+
+
 def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
     pytest.importorskip("jaxquant._qat_dot")
     model, x = MLP(), _x(16, 8)
@@ -332,7 +393,10 @@ def test_int4_activations_cannot_run_int8_inference():
     (dict(weight="int8"), TypeError, "QuantConfig.weight must be a jaxquant.QuantSpec or None, got str"),
     (dict(act=jq.ActQuant()), TypeError, "QuantConfig.act must be an ActSpec or None, got ActQuant"),
     (dict(int8_dot=1), TypeError, "QuantConfig.int8_dot must be a bool, got 1"),
-    (dict(learn_scale=True, weight=None), ValueError, "learn_scale=True needs a symmetric weight spec"),
+    (dict(learn_scale=True, weight=None), ValueError, "learn_scale=True needs a weight spec, got weight=None"),
+    (dict(learn_scale=True, weight=jq.QuantSpec(dtype=jnp.float8_e4m3fn, symmetric=False)),
+     ValueError, "symmetric=False learns a zero point, which needs an integer weight format, "
+                 "got float8_e4m3fn"),
     (dict(int8_dot=True, weight=jq.QuantSpec(dtype=jnp.int4)), ValueError,
      r"int8_dot=True needs weight=QuantSpec\(dtype=jnp.int8"),
     (dict(int8_dot=True, act=ActSpec(scale=0.1)), ValueError,

@@ -182,6 +182,29 @@ def test_train_with_adam_learned_scale_then_quantize():
     np.testing.assert_allclose(np.asarray(run(model, x)), np.asarray(y_qat), atol=1e-5)
 
 
+def test_learned_zero_point_moves_and_becomes_the_qtensor_zero_point():
+    x = _x(32, 8)
+    y = jnp.cos(x[:, :3] * 2.0)
+    spec = jq.QuantSpec(dtype=jnp.int4, symmetric=False)
+    rules = [("head", QuantConfig(weight=spec, learn_scale=True))]
+    model = nnx_qat(MLP(nnx.Rngs(2)), rules)
+    hook = model.head.promote_dtype
+    init = spec(model.head.kernel[...])
+    np.testing.assert_array_equal(np.asarray(hook.scale[...]), np.asarray(init.scale))
+    z0 = np.asarray(hook.zero_point[...])
+    np.testing.assert_array_equal(z0, np.asarray(init.zero_point, np.float32))
+    losses = _train(model, x, y, steps=60)
+    assert losses[-1] < 0.5 * losses[0]
+    z1 = np.asarray(hook.zero_point[...])
+    assert np.abs(z1 - z0).max() > 0.05
+    y_qat = run(model, x)
+    nnx_quantize(model, rules)
+    kernel = model.head.kernel[...]
+    np.testing.assert_array_equal(np.asarray(kernel.zero_point, np.float32),
+                                  np.clip(np.round(z1), -8, 7))
+    np.testing.assert_allclose(np.asarray(run(model, x)), np.asarray(y_qat), atol=1e-5)
+
+
 def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
     pytest.importorskip("jaxquant._qat_dot")
     model, x = MLP(nnx.Rngs(3)), _x(16, 8)

@@ -29,29 +29,56 @@ from jaxquant._fake_quant import fake_quant
 from jaxquant._packing import unpack
 from jaxquant._qtensor import QTensor, is_qtensor, scale_values
 from jaxquant._quantize import quantize
+from jaxquant._schemes import resolve
 from jaxquant._tree import QuantSpec
 from jaxquant.flax._rules import ActSpec
 
 __all__ = ["QATPromote", "QATDot", "InferDot", "InferEinsum", "InferConv", "embed_take",
            "einsum_contract", "explicit_einsum", "fake_quant_act", "fake_quant_weight",
-           "init_scale"]
+           "init_qparams", "learned_qtensor"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
-def fake_quant_weight(w: jax.Array, spec: QuantSpec, scale: jax.Array | None = None):
-    """``dequantize(spec(w))`` with STE gradients; LSQ gradients for a given ``scale``."""
+def _explicit_kwargs(spec: QuantSpec) -> dict:
+    return dict(dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
+                saturate=spec.saturate)
+
+
+def fake_quant_weight(w: jax.Array, spec: QuantSpec, scale: jax.Array | None = None,
+                      zero_point: jax.Array | None = None):
+    """``dequantize(spec(w))`` with STE gradients; LSQ (LSQ+ with a float ``zero_point``)
+    gradients for a given ``scale``."""
     if scale is None:
         return fake_quant(w, **spec.computed_kwargs())
-    kw = dict(dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
-              saturate=spec.saturate)
-    return fake_quant(w, scale.astype(jnp.float32), **kw)
+    return fake_quant(w, scale.astype(jnp.float32), zero_point, **_explicit_kwargs(spec))
 
 
-def init_scale(w: jax.Array, spec: QuantSpec) -> jax.Array:
-    """The absmax scale `quantize` computes for ``w`` (the LSQ initial value)."""
-    return quantize(w, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
-                    saturate=spec.saturate).scale
+def init_qparams(w: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array | None]:
+    """The scale and, for an asymmetric ``spec``, the zero point (as float32) that
+    `quantize` computes for ``w``: the LSQ / LSQ+ initial values.
+
+    Example:
+      >>> w = jnp.array([[-1.0, 0.0], [2.0, 1.5]])  # one scale per output column
+      >>> init_qparams(w, QuantSpec(dtype=jnp.int4, symmetric=False))
+      (Array([0.2, 0.1], dtype=float32), Array([-3., -8.], dtype=float32))
+    """
+    qt = quantize(w, symmetric=spec.symmetric, **_explicit_kwargs(spec))
+    return qt.scale, None if qt.zero_point is None else qt.zero_point.astype(jnp.float32)
+
+
+def learned_qtensor(w: jax.Array, scale: jax.Array, zero_point: jax.Array | None = None,
+                    *, spec: QuantSpec) -> QTensor:
+    """``w`` quantized with learned values: the codes `fake_quant_weight` trained with.
+
+    A float zero point is rounded half to even and clamped to the code range, as
+    in the forward pass of `jaxquant.fake_quant`.
+    """
+    zp = None
+    if zero_point is not None:
+        fmt = resolve(spec.dtype, spec.axis, spec.block_size, spec.scale_dtype).fmt
+        zp = jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax).astype(fmt.dtype)
+    return quantize(w, scale, zp, packed=spec.packed, **_explicit_kwargs(spec))
 
 
 def fake_quant_act(x: jax.Array, act: ActSpec, contract: tuple[int, ...] | None) -> jax.Array:
@@ -120,7 +147,7 @@ class QATPromote:
       contract: the input axes the layer contracts (per-token scales), or
         ``None`` for per-tensor.
       scale: ``None`` (computed scale) or a function of the kernel returning its
-        learned scale.
+        learned ``(scale, zero_point)`` (``zero_point`` None: symmetric).
     """
 
     inner: Callable
@@ -134,8 +161,8 @@ class QATPromote:
         items = list(args[0] if as_tuple else args)
         k = 1 if len(items) >= 2 else 0
         if self.weight is not None and items[k] is not None:
-            s = None if self.scale is None else self.scale(items[k])
-            items[k] = fake_quant_weight(items[k], self.weight, s)
+            s, z = (None, None) if self.scale is None else self.scale(items[k])
+            items[k] = fake_quant_weight(items[k], self.weight, s, z)
         if self.act is not None and len(items) >= 2:
             items[0] = fake_quant_act(items[0], self.act, self.contract)
         if as_tuple:

@@ -19,6 +19,7 @@ from jax.typing import DTypeLike
 
 from jaxquant._dot import ActQuant
 from jaxquant._formats import get_format
+from jaxquant._schemes import resolve
 from jaxquant._tree import QuantSpec
 
 __all__ = ["ActSpec", "QuantConfig", "Rules", "check_rules", "select", "unused"]
@@ -95,9 +96,12 @@ class QuantConfig:
         symmetric int8 weights and ``act=None`` or a dynamic int8 `ActSpec`;
         other layers keep fake quantization.
       learn_scale: the kernel's scale is a trainable variable (LSQ, Esser et
-        al. 2020, arXiv:1902.08153), initialized to the absmax scale: linen
-        keeps it in the ``"quant"`` collection as ``kernel_scale``, nnx as an
-        ``nnx.Param``. Needs a symmetric weight spec.
+        al. 2020, arXiv:1902.08153), initialized to the scale `jaxquant.quantize`
+        computes; with an asymmetric integer spec (``symmetric=False``) so is
+        its zero point (LSQ+, Bhalgat et al. 2020, arXiv:2004.09576): a float,
+        initialized to the min/max zero point and rounded in the forward pass.
+        linen keeps them in the ``"quant"`` collection as ``kernel_scale`` and
+        ``kernel_zero_point``, nnx as ``nnx.Param`` s. Needs a weight spec.
 
     Raises:
       TypeError: a field of the wrong type.
@@ -126,9 +130,14 @@ class QuantConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"QuantConfig.{name} must be a bool, got "
                                 f"{getattr(self, name)!r}.")
-        if self.learn_scale and (self.weight is None or not self.weight.symmetric):
-            raise ValueError(f"learn_scale=True needs a symmetric weight spec, got "
-                             f"weight={self.weight!r}.")
+        if self.learn_scale and self.weight is None:
+            raise ValueError("learn_scale=True needs a weight spec, got weight=None.")
+        if self.learn_scale and not self.weight.symmetric:
+            fmt = resolve(self.weight.dtype, self.weight.axis, self.weight.block_size,
+                          self.weight.scale_dtype).fmt
+            if not fmt.is_integer:
+                raise ValueError(f"learn_scale=True with symmetric=False learns a zero point, "
+                                 f"which needs an integer weight format, got {fmt.name}.")
         if self.int8_dot:
             w, a = self.weight, self.act
             if w is None or w.dtype != jnp.int8 or not w.symmetric:

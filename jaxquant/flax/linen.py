@@ -23,7 +23,6 @@ import numpy as np
 
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
-from jaxquant._quantize import quantize
 from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, linen_input_grams
 from jaxquant.flax._ops import (
     InferConv,
@@ -33,7 +32,8 @@ from jaxquant.flax._ops import (
     QATPromote,
     einsum_contract,
     embed_take,
-    init_scale,
+    init_qparams,
+    learned_qtensor,
 )
 from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
 
@@ -75,11 +75,16 @@ def _contract(m, method, args, kwargs):
     return (-1,)
 
 
-def _learned_scale(scope, name: str, spec, kernel):
-    """The ``"quant"`` variable ``name``, created from ``kernel``'s absmax scale at init."""
-    if scope.has_variable("quant", name):  # Embed: lookup and attend share one scale
-        return scope.get_variable("quant", name)
-    return scope.variable("quant", name, init_scale, kernel, spec).value
+def _learned(scope, name: str, spec, kernel):
+    """The ``"quant"`` variables ``<name>_scale`` and (asymmetric ``spec``)
+    ``<name>_zero_point`` as ``(scale, zero_point or None)``, created at init from the
+    values `jaxquant.quantize` computes for ``kernel``."""
+    names = (name + "_scale", None if spec.symmetric else name + "_zero_point")
+    if not scope.has_variable("quant", names[0]):  # Embed: lookup and attend share them
+        for n, value in zip(names, init_qparams(kernel, spec), strict=True):
+            if n is not None:
+                scope.put_variable("quant", n, value)
+    return tuple(n and scope.get_variable("quant", n) for n in names)
 
 
 def _qat(m, method: str, cfg: QuantConfig, args, kwargs):
@@ -90,7 +95,7 @@ def _qat(m, method: str, cfg: QuantConfig, args, kwargs):
         weight = act = None
     scale = None
     if cfg.learn_scale:
-        scale = functools.partial(_learned_scale, m.scope, _kernel_name(m) + "_scale", weight)
+        scale = functools.partial(_learned, m.scope, _kernel_name(m), weight)
     promote = QATPromote(m.promote_dtype, weight, act, _contract(m, method, args, kwargs),
                          scale)
     if isinstance(m, nn.Embed):  # set up already: a clone would create its table again
@@ -311,7 +316,8 @@ class QuantizedLinen:
         """``variables`` with the kernels of selected layers as `QTensor` leaves.
 
         Each kernel is quantized with its rule's ``weight`` spec (packed int4
-        allowed), with its learned ``"quant"`` scale if it has one, else with
+        allowed), with its learned ``"quant"`` scale (and zero point, rounded as
+        in training) if it has one, else with
         computed scales (the values fake quantization trained with), or with
         GPTQ (`jaxquant.gptq`) where ``grams`` has the layer's input Gram matrix.
         Kernels stacked by ``nn.scan`` are quantized layer by layer. The model's
@@ -348,20 +354,15 @@ class QuantizedLinen:
             leaf, spec = nn.meta.unbox(node[name]), cfg.weight
             if is_qtensor(leaf):
                 continue
-            scale = qnode.get(name + "_scale") if cfg.learn_scale else None
             if grams is not None and path in grams:
                 node[name] = gptq_kernel(leaf, grams[path], spec, path)
                 continue
-            if scale is None:
-                fn, operands = spec, (leaf,)
-            else:
-                fn = lambda w, s, spec=spec: quantize(
-                    w, s, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
-                    saturate=spec.saturate, packed=spec.packed)
-                operands = (leaf, scale)
+            learned = [qnode[name + k] for k in ("_scale", "_zero_point")
+                       if cfg.learn_scale and name + k in qnode]
+            fn = functools.partial(learned_qtensor, spec=spec) if learned else spec
             for _ in range(leaf.ndim - ndim):  # nn.scan stacks layers on leading axes
                 fn = jax.vmap(fn)
-            node[name] = fn(*operands)
+            node[name] = fn(leaf, *learned)
         return out
 
 

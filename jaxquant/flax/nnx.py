@@ -19,7 +19,6 @@ from flax import nnx
 
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
-from jaxquant._quantize import quantize
 from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel
 from jaxquant.flax._ops import (
     InferConv,
@@ -28,7 +27,8 @@ from jaxquant.flax._ops import (
     QATDot,
     QATPromote,
     einsum_contract,
-    init_scale,
+    init_qparams,
+    learned_qtensor,
 )
 from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
 
@@ -39,14 +39,16 @@ LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.Einsum, nnx.Embed)
 
 
 class LearnedScale(nnx.Module):
-    """A layer's ``promote_dtype`` whose kernel scale is an ``nnx.Param`` (LSQ).
+    """A layer's ``promote_dtype`` whose kernel scale (LSQ) and, for an asymmetric
+    spec, zero point (LSQ+) are ``nnx.Param`` s.
 
-    Installed by `nnx_qat` for ``learn_scale=True``; the scale's state path is
-    ``<layer>/promote_dtype/scale``.
+    Installed by `nnx_qat` for ``learn_scale=True``; the state paths are
+    ``<layer>/promote_dtype/scale`` and ``<layer>/promote_dtype/zero_point``.
 
     Args:
       promote: the `QATPromote` that fake-quantizes with ``scale``.
       scale: the initial scale, in the weight spec's layout.
+      zero_point: the initial float zero point (scale's shape), or None (symmetric).
 
     Example:
       >>> import jax.numpy as jnp
@@ -57,12 +59,18 @@ class LearnedScale(nnx.Module):
       (2,)
     """
 
-    def __init__(self, promote: QATPromote, scale: jax.Array):
+    def __init__(self, promote: QATPromote, scale: jax.Array,
+                 zero_point: jax.Array | None = None):
         self.promote = promote
         self.scale = nnx.Param(scale)
+        self.zero_point = None if zero_point is None else nnx.Param(zero_point)
+
+    def values(self) -> tuple[jax.Array, jax.Array | None]:
+        """The current ``(scale, zero_point or None)``."""
+        return self.scale[...], None if self.zero_point is None else self.zero_point[...]
 
     def __call__(self, *args, **kwargs):
-        fn = dataclasses.replace(self.promote, scale=lambda _: self.scale[...])
+        fn = dataclasses.replace(self.promote, scale=lambda _: self.values())
         return fn(*args, **kwargs)
 
 
@@ -159,7 +167,7 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
 
     Returns:
       ``model`` itself. Parameters are untouched; ``learn_scale=True`` adds an
-      ``nnx.Param`` scale per layer (see `LearnedScale`).
+      ``nnx.Param`` scale (and zero point) per layer (see `LearnedScale`).
 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
@@ -187,7 +195,7 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
         promote = QATPromote(_inner_promote(layer), weight, act, _contract(layer))
         if cfg.learn_scale:
             kernel = getattr(layer, _kernel_name(layer))[...]
-            layer.promote_dtype = nnx.data(LearnedScale(promote, init_scale(kernel, weight)))
+            layer.promote_dtype = nnx.data(LearnedScale(promote, *init_qparams(kernel, weight)))
         else:
             layer.promote_dtype = nnx.static(promote)
     return model
@@ -286,9 +294,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             if grams is not None and path in grams:
                 kernel = gptq_kernel(kernel, grams[path], spec, path)
             elif isinstance(hook, LearnedScale):
-                kernel = quantize(kernel, hook.scale[...], dtype=spec.dtype, axis=spec.axis,
-                                  block_size=spec.block_size, saturate=spec.saturate,
-                                  packed=spec.packed)
+                kernel = learned_qtensor(kernel, *hook.values(), spec=spec)
             else:
                 kernel = spec(kernel)
             var.set_value(kernel)
