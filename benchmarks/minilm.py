@@ -24,18 +24,19 @@ float32. "absmax" scales are ``quantize_tree``'s computed ones; "clip search"
 scales are, per scale group, the absmax scale times the ratio in
 ``0.50, 0.52, ..., 1.00`` with the least squared weight error (`clip_searched`).
 "GPTQ" kernels come from `jaxquant.gptq` with each Dense layer's input Gram
-matrix over the 470 calibration sentences of standard-library docstrings
-(`calibration_sentences`, never the evaluation sentences; padding excluded).
+matrix over the calibration text (`calibration_texts`, padding excluded): 470
+sentences of standard-library docstrings and 3656 runs of 2-10 words cut from
+them and from the language reference's prose, never the evaluation sentences.
 "with zero points": min/max scales and a zero point per block of 32 (all 16
 int4 codes in use; the other int4 rows are symmetric, absmax scales). The
 "Hadamard-rotated" rows quantize a rotated model that computes the same
 function: the FFN down-projections' inputs (`minilm_model.rotate_ffn`), or
 every Dense layer's input (`minilm_model.rotate_inputs`), rotated in the model
 and the kernels rotated to match.
-The "QAT-distilled" row trains the fake-quantized model with learned scales to
-reproduce the float32 embeddings of other text (`benchmarks.minilm_qat`;
-``--qat-steps`` Adam steps, default 400, about 7 minutes on 2 cores; 0 drops the row),
-then quantizes it with the learned scales.
+The "QAT-distilled" row trains the fake-quantized model with learned scales and
+zero points (LSQ+) to reproduce the float32 embeddings of other text
+(`benchmarks.minilm_qat`; ``--qat-steps`` Adam steps, default 400, about 16 minutes
+on 2 cores; 0 drops the row), then quantizes it with the learned values.
 
 Results go to ``benchmarks/results/minilm.json`` and ``.md``.
 """
@@ -61,13 +62,23 @@ import jaxquant as jq
 try:  # python -m benchmarks.minilm
     from benchmarks import minilm_model, minilm_qat, minilm_reference
     from benchmarks._harness import machine_info, write_report
-    from benchmarks.minilm_calibration import calibration_sentences, clip_searched, input_grams
+    from benchmarks.minilm_calibration import (
+        calibration_sentences,
+        calibration_texts,
+        clip_searched,
+        input_grams,
+    )
 except ImportError:  # python benchmarks/minilm.py
     import minilm_model
     import minilm_qat
     import minilm_reference
     from _harness import machine_info, write_report
-    from minilm_calibration import calibration_sentences, clip_searched, input_grams
+    from minilm_calibration import (
+        calibration_sentences,
+        calibration_texts,
+        clip_searched,
+        input_grams,
+    )
 
 SENTENCES = (
     # Pairs of paraphrases, one topic per pair: sentence 2i and 2i + 1 say the same thing.
@@ -187,8 +198,8 @@ VARIANTS = (
             INT8_ROWS, gptq=True),
     Variant("int4 block 32 packed with zero points, weight-only, GPTQ, Hadamard-rotated inputs",
             all_kernels(INT4_ZP32), INT8_ROWS, gptq=True, rotation="inputs"),
-    Variant("int4 block 32 packed, weight-only, QAT-distilled", all_kernels(int4_blocks(32)),
-            INT8_ROWS, distilled=True),
+    Variant("int4 block 32 packed with zero points, weight-only, QAT-distilled",
+            all_kernels(INT4_ZP32), INT8_ROWS, distilled=True),
     Variant("int4 block 32 attention + int8 per-channel FFN, weight-only",
             ((FFN, INT8_CHANNEL), ("/kernel$", int4_blocks(32))), INT8_ROWS),
     Variant("float8_e4m3fn per-channel, weight-only", all_kernels(FP8_CHANNEL), FP8_ROWS,
@@ -283,7 +294,7 @@ def run(rounds: int, calls: int, qat_steps: int = 400) -> dict:
     float_bytes = jq.tree_nbytes(params)
     fns, rows, ref = {}, [], None
     calibration = {k: jnp.asarray(v) for k, v in
-                   minilm_model.tokenize(tokenizer, calibration_sentences()).items()}
+                   minilm_model.tokenize(tokenizer, calibration_texts()).items()}
     models = {None: (model, params),
               **{name: rotate(model, params) for name, rotate in ROTATIONS.items()}}
     grams = {name: input_grams(*m, calibration) for name, m in models.items()}

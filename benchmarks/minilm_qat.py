@@ -3,8 +3,8 @@ that is never the benchmark's evaluation sentences.
 
 The student is the unmodified Flax encoder of `benchmarks.minilm_model` under
 ``jaxquant.flax.quantize_linen``: every encoder Dense kernel fake-quantized with
-the variant's spec and a learned (LSQ) scale per group, initialized to the absmax
-scale. The teacher is the same model in float32. The loss is ``1 - cosine`` of
+the variant's spec and a learned scale (LSQ) per group, and for an asymmetric spec
+a learned zero point (LSQ+), initialized to the values `jaxquant.quantize` computes. The teacher is the same model in float32. The loss is ``1 - cosine`` of
 the two sentence embeddings (unit-norm, mean-pooled), averaged over a batch, plus
 ``hidden_weight`` times each layer's output error relative to the teacher's
 (``sum |s - t|^2 / sum |t|^2`` over the real tokens, averaged over the layers:
@@ -22,8 +22,6 @@ as the evaluation's short sentences do.
 
 from __future__ import annotations
 
-import pydoc_data.topics
-import re
 import sys
 import time
 
@@ -37,22 +35,14 @@ from jaxquant.flax import QuantConfig, QuantizedLinen, quantize_linen
 
 try:  # python -m benchmarks.minilm
     from benchmarks import minilm_model
+    from benchmarks.minilm_calibration import reference_sentences, word_runs
 except ImportError:  # python benchmarks/minilm.py
     import minilm_model
-
-CODE_LIKE = re.compile(r"[{}\[\]=<>|*_]")
-
-
-def reference_sentences() -> list[str]:
-    """The sentences (30-200 characters, no code-like characters) of ``pydoc_data.topics``."""
-    text = " ".join(" ".join(pydoc_data.topics.topics.values()).split())
-    return [s for s in re.split(r"(?<=[.!?])\s+", text)
-            if 30 < len(s) < 200 and not CODE_LIKE.search(s)]
+    from minilm_calibration import reference_sentences, word_runs
 
 
 def distillation_texts(calibration: list[str], seed: int = 0) -> list[str]:
-    """``calibration`` and `reference_sentences`, then two runs of 2-10 words cut from each
-    (the whole sentence where it is shorter).
+    """``calibration`` and `reference_sentences`, then their `word_runs`.
 
     Args:
       calibration: sentences (`benchmarks.minilm.calibration_sentences`).
@@ -62,15 +52,7 @@ def distillation_texts(calibration: list[str], seed: int = 0) -> list[str]:
       The texts, sentences first (5484 with the 470 docstring sentences on Python 3.11).
     """
     sentences = list(calibration) + reference_sentences()
-    rng = np.random.default_rng(seed)
-    cuts = []
-    for s in sentences:
-        words = s.split()
-        for _ in range(2):
-            n = int(rng.integers(2, 11))
-            start = int(rng.integers(0, max(1, len(words) - n + 1)))
-            cuts.append(" ".join(words[start:start + n]))
-    return sentences + cuts
+    return sentences + word_runs(sentences, seed)
 
 
 def student(model, spec: jq.QuantSpec) -> QuantizedLinen:
@@ -99,7 +81,7 @@ def distill(model, params: dict, tokenizer, spec: jq.QuantSpec, texts: list[str]
       model: the Flax encoder (`minilm_model.load`).
       params: its float32 variables (``{"params": ...}``), the teacher and the start.
       tokenizer: the model's tokenizer.
-      spec: the kernels' format (``learn_scale`` needs a symmetric spec).
+      spec: the kernels' format (asymmetric integer specs learn zero points too).
       texts: training text (`distillation_texts`).
       steps: Adam steps, ``batch_size`` texts each, drawn without replacement per step.
       learning_rate: Adam's.
@@ -116,7 +98,7 @@ def distill(model, params: dict, tokenizer, spec: jq.QuantSpec, texts: list[str]
     tokens = minilm_model.tokenize(tokenizer, texts)
     lengths = tokens["attention_mask"].sum(axis=1)
     batch = {k: jnp.asarray(v[:2]) for k, v in tokens.items()}
-    _, init = qm.apply(params, **batch, mutable=["quant"])  # absmax scales of the kernels
+    _, init = qm.apply(params, **batch, mutable=["quant"])  # computed scales (zero points)
     variables = {**params, "quant": init["quant"]}
     tx = optax.adam(learning_rate)
     state = tx.init(variables)

