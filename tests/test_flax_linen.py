@@ -293,6 +293,36 @@ def test_learned_zero_point_gradients_match_torch_lsq_plus():
     assert np.all(np.abs(zt.grad.numpy()) > 0)  # every channel clips: LSQ+ moves them all
 
 
+class TiedScanned(nn.Module):
+    """Embed lookup and attend (one table), around two nn.scan'd Dense blocks."""
+
+    @nn.compact
+    def __call__(self, tokens):
+        emb = nn.Embed(11, 8)
+        blocks = nn.scan(Block, variable_axes={"params": 0, "quant": 0},
+                         split_rngs={"params": True}, length=2)
+        return emb.attend(blocks()(emb(tokens), None)[0])
+
+
+def test_learned_zero_points_shared_by_lookup_and_attend_and_stacked_by_scan():
+    tokens = jnp.arange(7) % 11
+    spec = jq.QuantSpec(dtype=jnp.int8, axis=0, symmetric=False)  # per row, as the table's
+    qm = quantize_linen(TiedScanned(), QuantConfig(weight=spec, learn_scale=True))
+    v = qm.init(jax.random.key(0), tokens)
+    quant = v["quant"]
+    assert jax.tree.map(jnp.shape, quant) == {
+        "Embed_0": {"embedding_scale": (11,), "embedding_zero_point": (11,)},
+        "ScanBlock_0": {"Dense_0": {"kernel_scale": (2, 8), "kernel_zero_point": (2, 8)}}}
+    moved = {**v, "quant": jax.tree.map(lambda a: a + 0.3 if a.ndim == 2 else a * 1.1, quant)}
+    q = qm.quantize_params(moved, tokens)
+    kernel = q["params"]["ScanBlock_0"]["Dense_0"]["kernel"]
+    zp = np.asarray(quant["ScanBlock_0"]["Dense_0"]["kernel_zero_point"]) + 0.3
+    np.testing.assert_array_equal(np.asarray(kernel.zero_point, np.float32),
+                                  np.clip(np.round(zp), -128, 127))
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, tokens)),
+                               np.asarray(qm.apply(moved, tokens)), atol=1e-5)
+
+
 def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
     pytest.importorskip("jaxquant._qat_dot")
     model, x = MLP(), _x(16, 8)
