@@ -4,12 +4,13 @@ that is never the benchmark's evaluation sentences.
 The student is the unmodified Flax encoder of `benchmarks.minilm_model` under
 ``jaxquant.flax.quantize_linen``: every encoder Dense kernel fake-quantized with
 the variant's spec and a learned scale (LSQ) per group, and for an asymmetric spec
-a learned zero point (LSQ+), initialized to the values `jaxquant.quantize` computes. The teacher is the same model in float32. The loss is ``1 - cosine`` of
+a learned zero point (LSQ+), initialized to the values `jaxquant.quantize` computes.
+The teacher is the same model in float32. The loss is ``1 - cosine`` of
 the two sentence embeddings (unit-norm, mean-pooled), averaged over a batch, plus
 ``hidden_weight`` times each layer's output error relative to the teacher's
 (``sum |s - t|^2 / sum |t|^2`` over the real tokens, averaged over the layers:
 layer-wise distillation, as in TernaryBERT); Adam updates kernels, biases,
-LayerNorms and scales. The training text
+LayerNorms, scales and zero points. The training text
 (`distillation_texts`) is English every Python 3.11 install carries: the sentences
 of `benchmarks.minilm.calibration_sentences` (standard-library docstrings), those
 of ``pydoc_data.topics`` (the language reference's prose), and random runs of 2
