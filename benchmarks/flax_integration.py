@@ -22,8 +22,8 @@ never edited: every quantized case is `jaxquant.flax.quantize_linen` with one
 
 Cases are timed round-robin (`benchmarks._harness.run_rounds`): each round runs
 every case once, so a noisy neighbour slows all alike; the ratio to float32 is
-the median of the per-round ratios. Results go to
-``benchmarks/results/flax_integration.json`` and ``.md``.
+the median of the per-round ratios. Results go to ``<out>/flax_integration.json``
+and ``.md`` (``--out``, default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -148,6 +148,9 @@ def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=11)
     parser.add_argument("--calls", type=int, default=3)
+    parser.add_argument("--out", type=pathlib.Path,
+                        default=pathlib.Path(__file__).parent / "results",
+                        help="output folder (default benchmarks/results)")
     args = parser.parse_args(argv)
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((BATCH, WIDTH), np.float32))
@@ -175,8 +178,8 @@ def main(argv=None) -> None:
         *_table(times, list(infer), args.calls, info)]
     text = "\n".join(lines) + "\n"
     print(text)
-    out = pathlib.Path(__file__).parent / "results"
-    out.mkdir(exist_ok=True)
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "flax_integration.md", text)
     write_atomic(out / "flax_integration.json", json.dumps(
         {"command": command, "machine": m, "load_average_1min": load,
