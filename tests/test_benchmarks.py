@@ -94,6 +94,9 @@ def test_qat_mlp(tmp_path):
     fake = cases["fake-quant QAT (jq.fake_quant W per-channel + A per-token, float dots)"]
     assert fake["grad_rel_diff_vs_fake_quant"] == 0
     for name, case in cases.items():
+        if "status" in case:  # a peer that did not run
+            assert "not installed" in case["status"], (name, case["status"])
+            continue
         assert math.isfinite(case["first_loss"]), name
         if name.startswith(("int8-dot QAT", "plain jnp")):  # the same fake-quant gradients
             assert case["grad_rel_diff_vs_fake_quant"] < 0.01, name
