@@ -279,6 +279,14 @@ def unpack(x):
 
     Arrays and unpacked QTensors are returned as they are.
 
+    Args:
+      x: a `PackedArray`, a `QTensor`, or an array.
+
+    Returns:
+      The codes of a `PackedArray` (its ``dtype`` and ``shape``, bit for bit those that
+      were packed); for a packed `QTensor`, the same record with those codes as
+      ``qvalue``; anything else unchanged.
+
     Example:
       >>> c = jnp.array([1, -2, 3], jnp.int4)
       >>> bool((unpack(pack(c)) == c).all())

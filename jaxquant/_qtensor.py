@@ -309,6 +309,12 @@ jax.tree_util.register_pytree_with_keys(QTensor, _flatten_with_keys, _unflatten,
 def is_qtensor(x) -> bool:
     """True for a `QTensor`: use as ``is_leaf=`` in tree utilities.
 
+    Args:
+      x: any object.
+
+    Returns:
+      Whether ``x`` is a `QTensor` (an array, a `PackedArray` or a scale is not).
+
     Example:
       >>> import jax, jax.numpy as jnp, jaxquant as jq
       >>> tree = {"w": jq.quantize(jnp.ones((2, 2)))}

@@ -116,6 +116,14 @@ def resolve(dtype, axis, block_size, scale_dtype, explicit: bool = False) -> Res
 def format_name(qt) -> str:
     """The name of a `QTensor`'s format: a scheme's (``"mxfp4"``) when it is one.
 
+    Args:
+      qt: a `QTensor`.
+
+    Returns:
+      The name of the scheme whose element format, block size and scale dtype ``qt``
+      has (``"nf4"``, ``"mxfp8_e4m3"``, ``"nvfp4"``, ...), otherwise the name of its code
+      format (``"int8"``, ``"float8_e4m3fn"``, ...).
+
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
       >>> format_name(jq.quantize(jnp.ones((2, 32)), dtype="mxfp4"))
