@@ -15,35 +15,35 @@ import jax.numpy as jnp
 import numpy as np
 
 
-def plain_quantize(x, s):
+def quantize(x, s):
     """The usual inexact one-liner: ``clip(round(x / s), -128, 127)`` as int8."""
     return jnp.clip(jnp.round(x / s), -128, 127).astype(jnp.int8)
 
 
-def plain_dequantize(q, s):
+def dequantize(q, s):
     """``q * s`` in float32."""
     return q.astype(jnp.float32) * s
 
 
-def plain_fake_quant(x, s):
+def fake_quant(x, s):
     """``dequantize(quantize(x))`` without a custom gradient."""
     return jnp.clip(jnp.round(x / s), -128, 127) * s
 
 
-def plain_absmax_scale(x, axis=None, qmax=127):
+def absmax_scale(x, axis=None, qmax=127):
     """``absmax / qmax`` over ``axis`` (all of ``x`` for ``None``), kept broadcastable."""
     return jnp.max(jnp.abs(x), axis=axis, keepdims=axis is not None) / qmax
 
 
-def plain_block_codes(x, block=128, qmax=7):
+def block_codes(x, block=128, qmax=7):
     """Blocked symmetric codes along the last axis, stored as int8 (no sub-byte dtype)."""
     b = x.reshape(x.shape[0], -1, block)
-    s = plain_absmax_scale(b, axis=-1, qmax=qmax)
+    s = absmax_scale(b, axis=-1, qmax=qmax)
     q = jnp.clip(jnp.round(b / s), -qmax - 1, qmax).astype(jnp.int8)
     return q.reshape(x.shape), s
 
 
-def plain_block_dequantize(q, s, block=128):
+def block_dequantize(q, s, block=128):
     """``codes * scale`` in blocks along the last axis, float32."""
     b = q.astype(jnp.float32).reshape(q.shape[0], -1, block)
     return (b * s.astype(jnp.float32)).reshape(q.shape)
@@ -63,7 +63,7 @@ def _e8m0_scale(amax, emax: int):
     return jnp.exp2(jnp.where(amax > 0, jnp.clip(e - 1 - emax, -127, 127), 0).astype(jnp.float32))
 
 
-def plain_nf4_quantize(x, block=64):
+def nf4_quantize(x, block=64):
     """NF4 the usual way: absmax per block, then the nearest table entry by ``argmin``."""
     b = x.reshape(x.shape[0], -1, block)
     s = jnp.max(jnp.abs(b), axis=-1, keepdims=True)
@@ -72,13 +72,13 @@ def plain_nf4_quantize(x, block=64):
     return q.reshape(x.shape), s
 
 
-def plain_nf4_dequantize(q, s, block=64):
+def nf4_dequantize(q, s, block=64):
     """``table[codes] * scale``."""
     b = jnp.asarray(NF4_VALUES)[q.reshape(q.shape[0], -1, block)]
     return (b * s).reshape(q.shape)
 
 
-def plain_mx_quantize(x, dtype=jnp.float8_e4m3fn, emax=8, block=32):
+def mx_quantize(x, dtype=jnp.float8_e4m3fn, emax=8, block=32):
     """OCP MX: a power-of-two scale per block of 32, codes cast to ``dtype`` after clipping."""
     b = x.reshape(x.shape[0], -1, block)
     s = _e8m0_scale(jnp.max(jnp.abs(b), axis=-1, keepdims=True), emax)
@@ -87,12 +87,12 @@ def plain_mx_quantize(x, dtype=jnp.float8_e4m3fn, emax=8, block=32):
     return q.reshape(x.shape), s.astype(jnp.float8_e8m0fnu)
 
 
-def plain_mx_dequantize(q, s):
+def mx_dequantize(q, s):
     """``codes * scale`` in blocks of 32."""
-    return plain_block_dequantize(q, s, 32)
+    return block_dequantize(q, s, 32)
 
 
-def plain_nvfp4_quantize(x):
+def nvfp4_quantize(x):
     """NVFP4: a float32 tensor scale, float8_e4m3fn scales per block of 16, E2M1 codes."""
     b = x.reshape(x.shape[0], -1, 16)
     block_scale = jnp.max(jnp.abs(b), axis=-1, keepdims=True) / 6
@@ -102,18 +102,18 @@ def plain_nvfp4_quantize(x):
     return q.reshape(x.shape), s8, tensor_scale
 
 
-def plain_nvfp4_dequantize(q, s8, tensor_scale):
+def nvfp4_dequantize(q, s8, tensor_scale):
     """``codes * block scale * tensor scale``."""
     b = q.astype(jnp.float32).reshape(q.shape[0], -1, 16)
     return (b * (s8.astype(jnp.float32) * tensor_scale)).reshape(q.shape)
 
 
-PLAIN_FORMATS: dict[str, tuple[Callable, Callable]] = {
-    "int4": (plain_block_codes, plain_block_dequantize),
-    "nf4": (plain_nf4_quantize, plain_nf4_dequantize),
-    "mxfp8_e4m3": (plain_mx_quantize, plain_mx_dequantize),
-    "mxfp4": (functools.partial(plain_mx_quantize, dtype=jnp.float4_e2m1fn, emax=2),
-              plain_mx_dequantize),
-    "nvfp4": (plain_nvfp4_quantize, plain_nvfp4_dequantize),
+FORMATS: dict[str, tuple[Callable, Callable]] = {
+    "int4": (block_codes, block_dequantize),
+    "nf4": (nf4_quantize, nf4_dequantize),
+    "mxfp8_e4m3": (mx_quantize, mx_dequantize),
+    "mxfp4": (functools.partial(mx_quantize, dtype=jnp.float4_e2m1fn, emax=2),
+              mx_dequantize),
+    "nvfp4": (nvfp4_quantize, nvfp4_dequantize),
 }
 """Each format's plain jnp (quantize, dequantize): unpacked codes, one byte each."""

@@ -20,25 +20,11 @@ import numpy as np
 import jaxquant as jq
 
 try:  # python -m benchmarks.run
+    from benchmarks import _plain as plain
     from benchmarks._peers import ort_call, torch_call
-    from benchmarks._plain import (
-        PLAIN_FORMATS,
-        plain_absmax_scale,
-        plain_block_codes,
-        plain_dequantize,
-        plain_fake_quant,
-        plain_quantize,
-    )
 except ImportError:  # python benchmarks/run.py
+    import _plain as plain
     from _peers import ort_call, torch_call
-    from _plain import (
-        PLAIN_FORMATS,
-        plain_absmax_scale,
-        plain_block_codes,
-        plain_dequantize,
-        plain_fake_quant,
-        plain_quantize,
-    )
 
 LIMIT_CASE = "numpy.copyto (preallocated)"
 """The memory-copy limit: every case is compared with its bandwidth."""
@@ -109,7 +95,7 @@ class Inputs:
     def plain_formatted(self, fmt: str) -> tuple[jax.Array, ...]:
         """``x`` quantized by the plain jnp spelling of ``fmt`` (codes and scales), built once."""
         if fmt not in self._plain_formatted:
-            quantize, _ = PLAIN_FORMATS[fmt]
+            quantize, _ = plain.FORMATS[fmt]
             self._plain_formatted[fmt] = jax.block_until_ready(jax.jit(quantize)(self.x))
         return self._plain_formatted[fmt]
 
@@ -181,12 +167,12 @@ def jq_format_dequantize(fmt: str) -> Callable[[Inputs], Callable[[], object]]:
 
 def plain_format_quantize(fmt: str) -> Callable[[Inputs], Callable[[], object]]:
     """A builder of the plain jnp quantize of ``fmt``, jitted."""
-    return lambda i: jax_call(PLAIN_FORMATS[fmt][0], i.x)
+    return lambda i: jax_call(plain.FORMATS[fmt][0], i.x)
 
 
 def plain_format_dequantize(fmt: str) -> Callable[[Inputs], Callable[[], object]]:
     """A builder of the plain jnp dequantize of ``fmt`` (of its own codes), jitted."""
-    return lambda i: jax_call(PLAIN_FORMATS[fmt][1], *i.plain_formatted(fmt))
+    return lambda i: jax_call(plain.FORMATS[fmt][1], *i.plain_formatted(fmt))
 
 
 def format_cases(fmt: str, group: str, label: str, packed_bits: float, plain_bits: float,
@@ -194,7 +180,7 @@ def format_cases(fmt: str, group: str, label: str, packed_bits: float, plain_bit
     """jaxquant and plain jnp quantize and dequantize rows of one low-bit format.
 
     Args:
-      fmt: the key of `FORMATS` and `PLAIN_FORMATS`.
+      fmt: the key of `FORMATS` and `plain.FORMATS`.
       group: the rows' group.
       label: the jaxquant rows' format description.
       packed_bits: jaxquant's stored bits per element (codes and scales).
@@ -289,7 +275,7 @@ def cases() -> list[Case]:
         # --- per-tensor, explicit scale
         Case("jaxquant quantize", t, 5,
              lambda i: jax_call(jq.quantize, i.x, i.scale), _pt("quantize")),
-        Case(_pt("quantize"), t, 5, lambda i: jax_call(plain_quantize, i.x, i.scale)),
+        Case(_pt("quantize"), t, 5, lambda i: jax_call(plain.quantize, i.x, i.scale)),
         Case("onnxruntime QuantizeLinear", t, 5,
              lambda i: ort_call("QuantizeLinear", i.x_np, i.scale_np, np.int8(0)),
              _pt("quantize"), ort),
@@ -300,7 +286,7 @@ def cases() -> list[Case]:
         Case("jaxquant dequantize", t, 5,
              lambda i: jax_call(jq.dequantize, i.qt), _pt("dequantize")),
         Case(_pt("dequantize"), t, 5,
-             lambda i: jax_call(plain_dequantize, i.qt.qvalue, i.scale)),
+             lambda i: jax_call(plain.dequantize, i.qt.qvalue, i.scale)),
         Case("onnxruntime DequantizeLinear", t, 5,
              lambda i: ort_call("DequantizeLinear", i.codes_np, i.scale_np, np.int8(0)),
              _pt("dequantize"), ort),
@@ -312,7 +298,7 @@ def cases() -> list[Case]:
         Case("jaxquant quantize (output buffer donated)", t, 5, quantize_into_donated_buffer,
              _pt("quantize")),
         Case("jaxquant fake_quant (input donated)", t, 8, donated_fake_quant, _pt("fake_quant")),
-        Case(_pt("fake_quant"), t, 8, lambda i: jax_call(plain_fake_quant, i.x, i.scale)),
+        Case(_pt("fake_quant"), t, 8, lambda i: jax_call(plain.fake_quant, i.x, i.scale)),
         Case("torch fake_quantize_per_tensor_affine", t, 8,
              lambda i: torch_call("fake_quantize_per_tensor_affine", lambda th: (
                  th.from_numpy(i.x_np), float(i.scale_np), 0, -128, 127)),
@@ -322,7 +308,7 @@ def cases() -> list[Case]:
              lambda i: jax_call(functools.partial(jq.quantize, axis=0), i.x, i.scales),
              _pt("quantize (axis 0)")),
         Case(_pt("quantize (axis 0)"), c, 5,
-             lambda i: jax_call(plain_quantize, i.x, i.scales[:, None])),
+             lambda i: jax_call(plain.quantize, i.x, i.scales[:, None])),
         Case("onnxruntime QuantizeLinear (axis 0)", c, 5,
              lambda i: ort_call("QuantizeLinear", i.x_np, i.scales_np,
                                 np.zeros(i.size, np.int8), axis=0),
@@ -335,7 +321,7 @@ def cases() -> list[Case]:
         Case("jaxquant dequantize (axis 0)", c, 5,
              lambda i: jax_call(jq.dequantize, i.qt_ch), _pt("dequantize (axis 0)")),
         Case(_pt("dequantize (axis 0)"), c, 5,
-             lambda i: jax_call(plain_dequantize, i.qt_ch.qvalue, i.scales[:, None])),
+             lambda i: jax_call(plain.dequantize, i.qt_ch.qvalue, i.scales[:, None])),
         Case("onnxruntime DequantizeLinear (axis 0)", c, 5,
              lambda i: ort_call("DequantizeLinear", i.codes_ch_np, i.scales_np,
                                 np.zeros(i.size, np.int8), axis=0),
@@ -347,12 +333,12 @@ def cases() -> list[Case]:
         Case("jaxquant quantize (computed, per-tensor)", cm, 9,
              lambda i: jax_call(jq.quantize, i.x), _pt("quantize (computed, per-tensor)")),
         Case(_pt("quantize (computed, per-tensor)"), cm, 9,
-             lambda i: jax_call(lambda x: plain_quantize(x, plain_absmax_scale(x)), i.x)),
+             lambda i: jax_call(lambda x: plain.quantize(x, plain.absmax_scale(x)), i.x)),
         Case("jaxquant quantize (computed, axis 0)", cm, 5,
              lambda i: jax_call(functools.partial(jq.quantize, axis=0), i.x),
              _pt("quantize (computed, axis 0)")),
         Case(_pt("quantize (computed, axis 0)"), cm, 5,
-             lambda i: jax_call(lambda x: plain_quantize(x, plain_absmax_scale(x, 1)), i.x)),
+             lambda i: jax_call(lambda x: plain.quantize(x, plain.absmax_scale(x, 1)), i.x)),
         Case("qwix quantize (int8, channelwise_axes=(0,))", cm, 5,
              qwix_call(jnp.int8, channelwise_axes=(0,)),
              _pt("quantize (computed, axis 0)"), qwix),
@@ -374,7 +360,7 @@ def cases() -> list[Case]:
                  jq.quantize, dtype=jnp.int8, axis=-1, block_size=128), i.x),
              _pt("int8-stored int4 codes")),
         Case(_pt("int8-stored int4 codes"), b4, 5,
-             lambda i: jax_call(plain_block_codes, i.x)),
+             lambda i: jax_call(plain.block_codes, i.x)),
         Case("qwix quantize (int4, tiled_axes={1: 128})", b4, 4.5,
              qwix_call(jnp.int4, tiled_axes={1: 128}), _pt("int8-stored int4 codes"), qwix),
         Case("jaxquant int4 dequantize (packed)", b4, 4.5, jq_format_dequantize("int4"),
