@@ -178,10 +178,9 @@ def main(argv=None) -> None:
         *_table(times, list(infer), args.calls, info)]
     text = "\n".join(lines) + "\n"
     print(text)
-    out = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    write_atomic(out / "flax_integration.md", text)
-    write_atomic(out / "flax_integration.json", json.dumps(
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "flax_integration.md", text)
+    write_atomic(args.out / "flax_integration.json", json.dumps(
         {"command": command, "machine": m, "load_average_1min": load,
          "seconds_per_round": times, "calls_per_round": args.calls, "inference": info},
         indent=1))

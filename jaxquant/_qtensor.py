@@ -313,7 +313,7 @@ def is_qtensor(x) -> bool:
       x: any object.
 
     Returns:
-      Whether ``x`` is a `QTensor` (an array, a `PackedArray` or a scale is not).
+      Whether ``x`` is a `QTensor` (an array or a `PackedArray` is not).
 
     Example:
       >>> import jax, jax.numpy as jnp, jaxquant as jq
