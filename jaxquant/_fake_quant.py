@@ -47,12 +47,20 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._codebooks import code_values
 from jaxquant._formats import Format
-from jaxquant._granularity import Layout, expand, group_reduce, layout_from_args, layout_from_scale
+from jaxquant._granularity import (
+    Layout,
+    expand,
+    group_reduce,
+    layout_from_args,
+    layout_from_scale,
+    squeeze_tensor_scale,
+)
 from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
 from jaxquant._quantize import (
     _check_key,
@@ -61,7 +69,7 @@ from jaxquant._quantize import (
     computed_scale,
     scale_values_of,
 )
-from jaxquant._rounding import quotient, round_to_codes
+from jaxquant._rounding import quotient, round_to_codes, scale_factors
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import resolve
 
@@ -74,6 +82,7 @@ class _Config:
     layout: Layout
     saturate: bool
     grad_scale: bool
+    float_zero_point: bool = False  # float4 with a (zero) zero point: -0.0 codes become +0.0
 
 
 def fake_quant(
@@ -155,6 +164,8 @@ def fake_quant(
         if not jnp.issubdtype(scale.dtype, jnp.floating):
             raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
         layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
+        scale = squeeze_tensor_scale(scale, layout)
+    given_zero_point = zero_point is not None
     if zero_point is not None:
         zero_point = jnp.asarray(zero_point)
         zero_point = zero_point_like_scale(zero_point, scale)
@@ -162,7 +173,8 @@ def fake_quant(
             check_zero_point(zero_point, fmt)
             zero_point = jax.lax.stop_gradient(zero_point)
         zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
-    config = _Config(fmt, layout, bool(saturate), bool(lsq_grad_scale))
+    float_zp = given_zero_point and not fmt.is_integer and fmt.bits < 8
+    config = _Config(fmt, layout, bool(saturate), bool(lsq_grad_scale), float_zp)
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
     if (computed and symmetric and fmt.is_integer and fmt.signed and zero_point is None
             and noise is None and options.plain):
@@ -180,20 +192,47 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, s
     if not fmt.is_integer:
-        q = round_to_codes(t, None, fmt, config.saturate, noise=noise).astype(jnp.float32)
+        # ONNX adds a float4 zero point (all zeros), which turns -0.0 into +0.0; XLA
+        # deletes a ``+ 0.0``, so the selection does it
+        t_codes = jnp.where(t == 0, 0.0, t) if config.float_zero_point else t
+        q = round_to_codes(t_codes, None, fmt, config.saturate, noise=noise).astype(jnp.float32)
         return t, q, None, s
     zp = None
     r = jnp.round(t) if noise is None else jnp.floor(t + noise)
     if zero_point is not None:
         zp = expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x.shape, config.layout)
         r = r + zp
-    return r, jnp.clip(r, fmt.qmin, fmt.qmax), zp, s
+    q = jnp.clip(r, fmt.qmin, fmt.qmax)
+    return r, jnp.where(q == 0, 0.0, q), zp, s  # an integer code has no -0.0
+
+
+def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
+    """Whether the unclipped code lies in ``[qmin, qmax]``: the clipped STE's mask.
+
+    Integer codes are already rounded. A float quotient is in range when it
+    rounds (to nearest even, without a largest value) to at most the largest
+    finite value: below the midpoint to the next binade step, or on it when the
+    tie goes to the largest value (an even last mantissa bit: float8_e4m3fn's
+    448; float8_e5m2's 57344 and float4's 6 round up). Without saturation
+    nothing is clipped.
+    """
+    if fmt.is_integer or fmt.is_codebook:
+        return (raw >= fmt.qmin) & (raw <= fmt.qmax)
+    if not saturate:
+        return ~jnp.isnan(raw)
+    info = ml_dtypes.finfo(fmt.dtype)
+    top = float(info.max)
+    half_gap = 2.0 ** (np.floor(np.log2(top)) - int(info.nmant) - 1)
+    mantissa = int(round(top / 2.0 ** np.floor(np.log2(top)) * 2 ** int(info.nmant)))
+    edge, a = jnp.float32(top + half_gap), jnp.abs(raw)
+    return (a < edge) | ((a == edge) & (mantissa % 2 == 0))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fake_quant(x, scale, zero_point, noise, config: _Config):
-    _, q, zp, s = _codes(x, scale, zero_point, noise, config)
-    return ((q if zp is None else q - zp) * s).astype(x.dtype)
+    _, q, zp, _ = _codes(x, scale, zero_point, noise, config)
+    s, f = (expand(v, x.shape, config.layout) for v in scale_factors(scale))  # as `dequantize`
+    return (((q if zp is None else q - zp) * s) * f).astype(x.dtype)
 
 
 def _fake_quant_fwd(x, scale, zero_point, noise, config):
@@ -205,8 +244,8 @@ def _fake_quant_bwd(config: _Config, residuals, g):
     fmt = config.fmt
     raw, q, zp, s = _codes(x, scale, zero_point, noise, config)
     g = g.astype(jnp.float32)
-    lo, hi = (fmt.qmin, fmt.qmax) if (fmt.is_integer or config.saturate) else (-np.inf, np.inf)
-    inside = (raw >= lo) & (raw <= hi)
+    inside = _in_range(raw, fmt, config.saturate)
+    lo = fmt.qmin
     dx = jnp.where(inside, g, 0.0).astype(x.dtype)
     zpv = 0.0 if zp is None else zp
     xf = x.astype(jnp.float32)

@@ -27,10 +27,11 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 __all__ = ["Layout", "layout_from_scale", "layout_from_args", "expand", "group_reduce",
-           "apply_grouped"]
+           "apply_grouped", "squeeze_tensor_scale"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +141,8 @@ def layout_from_scale(
     if block_size:
         layout = layout_from_args(shape, axis, block_size)
         expected = layout.scale_shape(shape)
+        if tuple(scale_shape) != expected and math.prod(scale_shape) == 1:
+            return Layout("tensor")  # one element is per-tensor, as in ONNX
         if tuple(scale_shape) != expected:
             raise ValueError(
                 f"{argname} must have shape {expected} for blocked quantization of an input "
@@ -149,7 +152,7 @@ def layout_from_scale(
         return layout
     if block_size is not None:
         _check_block_size(block_size)
-    if math.prod(scale_shape) == 1 and len(scale_shape) <= 1:
+    if math.prod(scale_shape) == 1:
         return Layout("tensor")
     if len(scale_shape) != 1:
         raise ValueError(
@@ -167,6 +170,17 @@ def layout_from_scale(
             f"axis {axis} of an input of shape {tuple(shape)}; got {tuple(scale_shape)}."
         )
     return Layout("axis", a)
+
+
+def squeeze_tensor_scale(scale, layout: Layout):
+    """A one-element ``scale`` of rank 2 or more as a scalar when ``layout`` is per-tensor.
+
+    ONNX reads any one-element scale as per-tensor; storing it as a scalar keeps
+    every consumer's per-tensor broadcasting (``()`` or ``(1,)``) as it is.
+    """
+    if layout.kind == "tensor" and isinstance(scale, jax.Array | np.ndarray) and scale.ndim > 1:
+        return scale.reshape(())
+    return scale
 
 
 def expand(v: jax.Array, shape: tuple[int, ...], layout: Layout) -> jax.Array:
@@ -227,7 +241,7 @@ def _to_blocks(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Arra
 
 def _from_blocks(y: jax.Array, shape: tuple[int, ...], layout: Layout) -> jax.Array:
     a = layout.axis
-    y = y.reshape(y.shape[:a] + (-1,) + y.shape[a + 2:])
+    y = y.reshape(y.shape[:a] + (y.shape[a] * y.shape[a + 1],) + y.shape[a + 2:])
     return lax.slice_in_dim(y, 0, shape[a], axis=a) if y.shape[a] != shape[a] else y
 
 
@@ -283,6 +297,8 @@ def group_reduce(
     Returns:
       An array of ``layout.scale_shape(x.shape)``.
     """
+    if x.size == 0:  # empty groups (reductions such as max have no identity)
+        return jnp.full(layout.scale_shape(x.shape), pad_value, x.dtype)
     if layout.kind == "tensor":
         return reducer(x)
     a = layout.axis

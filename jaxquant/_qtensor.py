@@ -11,7 +11,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._formats import Format, get_format
-from jaxquant._granularity import Layout, expand, layout_from_scale
+from jaxquant._granularity import Layout, expand, layout_from_scale, squeeze_tensor_scale
 from jaxquant._packing import PackedArray
 
 __all__ = ["QTensor", "is_qtensor", "check_zero_point", "zero_point_like_scale", "scale_values"]
@@ -31,8 +31,7 @@ def zero_point_like_scale(zero_point, scale):
     zshape, sshape = tuple(zero_point.shape), tuple(scale.shape)
     if zshape == sshape:
         return zero_point
-    if math.prod(zshape) == 1 and math.prod(sshape) == 1 and len(zshape) <= 1 \
-            and len(sshape) <= 1:
+    if math.prod(zshape) == 1 and math.prod(sshape) == 1:
         return zero_point.reshape(sshape)
     raise ValueError(f"zero_point must have the shape of scale, {sshape}; got {zshape}.")
 
@@ -166,6 +165,7 @@ class QTensor:
         if not jnp.issubdtype(dtype, jnp.floating):
             raise TypeError(f"dtype must be a float dtype, got {dtype}.")
         layout = layout_from_scale(tuple(qvalue.shape), tuple(scale.shape), axis, block_size)
+        scale = squeeze_tensor_scale(scale, layout)
         if zero_point is not None:
             if not _is_arraylike(zero_point):
                 raise TypeError(f"zero_point must be an array or None, got "

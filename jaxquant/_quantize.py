@@ -25,10 +25,11 @@ from jaxquant._granularity import (
     group_reduce,
     layout_from_args,
     layout_from_scale,
+    squeeze_tensor_scale,
 )
 from jaxquant._packing import PackedArray, pack_bits, pack_fields
 from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
-from jaxquant._rounding import NAN_CODES, quotient, round_to_codes
+from jaxquant._rounding import NAN_CODES, quotient, round_to_codes, scale_factors
 from jaxquant._scale_formats import ScaleOptions, scale_options, store_scale
 from jaxquant._scales import compute_scale
 from jaxquant._schemes import resolve
@@ -177,6 +178,7 @@ def quantize(
                                   options, key)
     scale = _as_scale(scale)
     layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
+    scale = squeeze_tensor_scale(scale, layout)
     if zero_point is not None:
         zero_point = jnp.asarray(zero_point)
         zero_point = zero_point_like_scale(zero_point, scale)
@@ -316,11 +318,11 @@ def dequantize_values(qt: QTensor) -> jax.Array:
     q = code_values(qt)
     zp = qt.zero_point if qt.format.is_integer else None
 
-    def values(q, s, zp):
-        return (q if zp is None else q - zp) * s
+    def values(q, s, f, zp):
+        return ((q if zp is None else q - zp) * s) * f
 
-    return apply_grouped(values, q, qt.layout, scale_values_of(qt.scale),
-                         None if zp is None else zp.astype(jnp.float32))
+    s, f = scale_factors(scale_values_of(qt.scale))  # exact for subnormal scales on CPU
+    return apply_grouped(values, q, qt.layout, s, f, None if zp is None else zp.astype(jnp.float32))
 
 
 def _signed_nan(out: jax.Array, codes: jax.Array) -> jax.Array:

@@ -51,9 +51,13 @@ And XLA:GPU, which by default allows "excess precision", deletes a cast to a
 narrow float type that is cast back to float32 in the same program:
 `jaxquant._barriers.keep_rounding` keeps the codes.
 
-One limit is the hardware's, not ours: XLA:CPU flushes float32 subnormals to
-zero, so scales below ``2**-126`` (about ``1.2e-38``) are not supported;
-computed scales are clamped to that smallest normal number.
+XLA:CPU reads float32 subnormals as zero and flushes subnormal results to
+zero. The CPU division therefore scales a subnormal ``x`` or ``scale`` by
+``2**64`` from its bits first (exact), and multiplies the quotient back (a
+quotient below ``2**-126`` becomes zero, which changes no code);
+`scale_factors` does the same for products with a subnormal scale
+(dequantization). GPUs keep subnormals; TPUs flush them. Computed scales are
+kept at or above the smallest normal number, ``2**-126``.
 """
 
 from __future__ import annotations
@@ -69,7 +73,7 @@ from jaxquant._formats import Format
 from jaxquant._wide_division import wide_divide
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
-           "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "quotient"]
+           "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "quotient", "scale_factors"]
 
 SMALLEST_NORMAL = float(jnp.finfo(jnp.float32).tiny)
 _INT32_LO, _INT32_HI = -2147483648.0, 2147483520.0  # float32 values that fit in int32
@@ -188,9 +192,53 @@ def correct_quotient(x: jax.Array, scale: jax.Array, q0: jax.Array) -> jax.Array
     return jnp.where(ok, q, q0)
 
 
+def _normal_times_2_64(a: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(a * 2**64, True)`` where ``a`` is subnormal, else ``(a, False)``; exact.
+
+    XLA:CPU flushes subnormal operands to zero, so the product is formed from
+    the bits: a subnormal's bits (sign apart) are its mantissa ``m``, and
+    ``a * 2**64 == m * 2**-85``, a normal float32.
+    """
+    b = _bits(a)
+    m = b & _I32(0x7FFFFFFF)
+    sub = (m != 0) & (m < 0x00800000)
+    up = m.astype(_F32) * _F32(2.0**-85)
+    return jnp.where(sub, jnp.where(b < 0, -up, up), a), sub
+
+
+def scale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(s, f)`` with ``scale == s * f`` exactly, ``s`` normal (or 0, inf, NaN), ``f`` 1 or ``2**-64``.
+
+    ``v * scale`` computed as ``(v * s) * f`` is rounded once, as the product
+    itself, even where XLA:CPU would read a subnormal ``scale`` as zero (the
+    product is flushed to zero only where it is itself below ``2**-126``).
+    Computed on the scale's own (small) shape, before it is broadcast.
+
+    Example:
+      >>> import numpy as np
+      >>> s, f = scale_factors(jnp.float32(1e-40))
+      >>> float(f)
+      5.421010862427522e-20
+      >>> bool(jnp.float32(3e4) * s * f == np.float32(3e4) * np.float32(1e-40))  # not 0
+      True
+    """
+    s, sub = _normal_times_2_64(jnp.asarray(scale, _F32))
+    return s, jnp.where(sub, _F32(2.0**-64), _F32(1))
+
+
 def _plain_division(x: jax.Array, scale: jax.Array) -> jax.Array:
-    # The selection keeps XLA from rewriting ``x / broadcast(s)`` as ``x * (1 / s)``.
-    return x / jnp.where(x == x, scale, _F32(1))
+    """``x / scale`` by the division instruction, subnormal operands scaled up by ``2**64``.
+
+    The selection in the divisor keeps XLA from rewriting ``x / broadcast(s)``
+    as ``x * (1 / s)``. A quotient that ends below ``2**-126`` is flushed to
+    zero, which changes no code of any format (the smallest nonzero code
+    magnitude of every format is ``2**-17`` or more).
+    """
+    x, x_sub = _normal_times_2_64(x)
+    scale, s_sub = _normal_times_2_64(scale)
+    q = x / jnp.where(x == x, scale, _F32(1))
+    factor = jnp.where(x_sub, _F32(2.0**-64), _F32(1)) * jnp.where(s_sub, _F32(2.0**64), _F32(1))
+    return q * factor
 
 
 def _corrected_division(x: jax.Array, scale: jax.Array) -> jax.Array:
@@ -365,10 +413,34 @@ def round_to_codes(
             r = r + zero_point.astype(jnp.float32)
         out = jnp.int8 if wide and fmt.bits < 8 else fmt.dtype
         return jnp.clip(r, fmt.qmin, fmt.qmax).astype(out)
-    q = jnp.clip(r, _INT32_LO, _INT32_HI).astype(jnp.int32)
+    return _int32_codes(r, zero_point)
+
+
+def _int32_codes(r: jax.Array, zero_point: jax.Array | None) -> jax.Array:
+    """``clip(r + zero_point, -2**31, 2**31 - 1)`` as int32, exactly, for integral float32 ``r``.
+
+    float32 holds neither ``2**31 - 1`` nor most sums ``r + zero_point`` near the
+    ends of the range, so the sum is taken in int32, without overflow: inside
+    ``[-2**31, 2**31)`` ``r`` converts exactly; above, ``r - 2**31`` (exact) plus a
+    negative zero point is the offset below ``2**31`` when the sum fits (and
+    symmetrically below ``-2**31``). Beyond ``2**32`` no zero point brings the sum
+    back into range.
+    """
+    i32 = jnp.int32
+    qmin, qmax, two30 = i32(-(2**31)), i32(2**31 - 1), i32(2**30)
+    q = jnp.clip(r, _INT32_LO, _INT32_HI).astype(i32)
+    over, under = r > _INT32_HI, r < _INT32_LO
     if zero_point is None:
-        return q
-    zp = zero_point.astype(jnp.int32)
-    lo = jnp.where(zp < 0, jnp.int32(fmt.qmin) - zp, jnp.int32(fmt.qmin))
-    hi = jnp.where(zp > 0, jnp.int32(fmt.qmax) - zp, jnp.int32(fmt.qmax))
-    return jnp.clip(q, lo, hi) + zp  # saturating add without int32 overflow
+        return jnp.where(over, qmax, q)
+    zp = zero_point.astype(i32)
+    lo = jnp.where(zp < 0, qmin - zp, qmin)
+    hi = jnp.where(zp > 0, qmax - zp, qmax)
+    inside = jnp.clip(q, lo, hi) + zp  # saturating add without int32 overflow
+    # r in [2**31, 2**32): r + zp = (r - 2**31 + zp) + 2**31 fits iff the bracket is < 0
+    d_over = (jnp.clip(r, 2.0**31, 2.0**32 - 256) - 2.0**31).astype(i32) + zp
+    above = jnp.where((zp < 0) & (r < 2.0**32) & (d_over < 0), (d_over + two30) + two30, qmax)
+    # r in (-2**32, -2**31): r + zp = (zp - (-2**31 - r)) - 2**31 fits iff the bracket is >= 0
+    d_under = zp - (-(2.0**31) - jnp.clip(r, -(2.0**32) + 256, -(2.0**31))).astype(i32)
+    below = jnp.where((zp > 0) & (r > -(2.0**32)) & (d_under >= 0),
+                      (d_under - two30) - two30, qmin)
+    return jnp.where(over, above, jnp.where(under, below, inside))

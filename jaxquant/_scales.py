@@ -11,7 +11,9 @@ scales are kept at or above the smallest normal float32, because XLA:CPU
 flushes subnormals to zero. Every division is `divide` (correctly rounded), so
 the scale is the same number eagerly, under ``jit`` and on every backend (XLA
 would otherwise turn ``amax / 127`` into ``amax * (1 / 127)`` under ``jit``, and
-XLA:GPU's own division is up to 2 ulps off).
+XLA:GPU's own division is up to 2 ulps off). A range wider than float32's
+largest value gets ``hi / n - lo / n`` where ``(hi - lo) / n`` would overflow,
+and empty arrays get scale 1 for every (empty) group.
 """
 
 from __future__ import annotations
@@ -60,7 +62,11 @@ def scale_from_range(
         return scale, jnp.full(scale.shape, mid, fmt.dtype)
     lo = jnp.minimum(lo, 0.0)
     hi = jnp.maximum(hi, 0.0)
-    scale = _safe(divide(hi - lo, jnp.float32(fmt.qmax - fmt.qmin)))
+    n = jnp.float32(fmt.qmax - fmt.qmin)
+    span = hi - lo  # overflows to inf for finite ranges wider than float32's largest value
+    scale = jnp.where(jnp.isinf(span) & jnp.isfinite(lo) & jnp.isfinite(hi),
+                      divide(hi, n) - divide(lo, n), divide(span, n))
+    scale = _safe(scale)
     zp = jnp.float32(fmt.qmin) - jnp.round(divide(lo, scale))
     return scale, jnp.clip(zp, fmt.qmin, fmt.qmax).astype(fmt.dtype)
 

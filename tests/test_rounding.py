@@ -151,13 +151,32 @@ def test_corrected_division_propagates_nan_like_x86():
 
 
 def test_divide_on_cpu_is_one_division_instruction():
-    """The CPU lowering keeps the plain (correctly rounded, memory-bound) division."""
+    """The CPU lowering keeps the plain (correctly rounded, memory-bound) division: one
+    divide, none of the correction's Newton step and residuals (a few bit operations
+    for subnormal operands aside)."""
     cpu = jax.devices("cpu")[0]
     x, s = jax.device_put(jnp.ones((8, 16)), cpu), jax.device_put(jnp.ones((8, 1)), cpu)
-    hlo = jax.jit(divide).lower(x, s).compile().as_text()
-    assert " divide(" in hlo
-    assert "bitcast-convert" not in hlo
-    assert "bitcast_convert" in jax.jit(_corrected_division).lower(x, s).as_text()
+
+    def ops(fn):
+        hlo = jax.jit(fn).lower(x, s).compile().as_text()
+        return hlo.count(" divide("), hlo.count(" multiply(")
+
+    divides, multiplies = ops(divide)
+    assert divides == 1 and multiplies <= 4
+    corrected_divides, corrected_multiplies = ops(_corrected_division)
+    assert corrected_multiplies > 3 * multiplies
+
+
+def test_divide_reads_subnormal_operands_on_cpu():
+    """XLA:CPU reads subnormals as zero; the quotient is still IEEE's (NumPy's), and a
+    quotient that would be subnormal flushes to a zero of its sign."""
+    x = np.float32([1e-40, -3e-39, 1e-38, 1e-3, 2.0**-149, 1e-40, -1e-40, 1e-40])
+    s = np.float32([2.0**-126, 1e-40, 1e-39, 1e-41, 1e-44, 1e-45, 1.0, -2.0])
+    got = np.asarray(jax.jit(divide)(x, s))
+    want = x / s
+    normal = np.abs(want) >= np.finfo(np.float32).tiny
+    np.testing.assert_array_equal(u32(got[normal]), u32(want[normal]))
+    np.testing.assert_array_equal(u32(got[~normal]), u32(np.copysign(np.float32(0), want[~normal])))
 
 
 def test_divide_is_differentiable_as_a_quotient():

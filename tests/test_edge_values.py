@@ -1,0 +1,175 @@
+"""Values at the edges of float32 and of the formats, against ONNX's and PyTorch's references.
+
+int32 codes beyond float32's integers, ranges wider than float32's largest value,
+empty arrays, one-element scales of any rank, subnormal inputs and scales (which
+XLA:CPU reads as zero), the clipped STE of float formats at their largest value,
+and the sign of zero in `fake_quant`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from test_onnx_reference import assert_same_bits, np_dtype, onnx_run
+
+import jaxquant as jq
+
+I32_MIN, I32_MAX = -(2**31), 2**31 - 1
+
+
+def _int32_reference(x: np.ndarray, zero_point: int) -> np.ndarray:
+    """``clip(rint(x) + zero_point)`` in Python integers (x is float32, scale 1)."""
+    out = []
+    for v in x.astype(np.float64):
+        r = int(np.rint(v)) if np.isfinite(v) else int(np.sign(v)) * 2**40
+        out.append(min(I32_MAX, max(I32_MIN, r + zero_point)))
+    return np.array(out, np.int64)
+
+
+@pytest.mark.parametrize("zero_point", [0, 1, -1, 10, -10, 2**30, -(2**30), I32_MAX, I32_MIN,
+                                        I32_MAX - 200, I32_MIN + 200, 123456789])
+def test_int32_codes_saturate_exactly_with_any_zero_point(zero_point):
+    """float32 holds neither 2**31 - 1 nor most sums near the ends: still exact codes."""
+    edges = [0.0, 1.0, -1.0, 2.0**31, -(2.0**31), 2.0**31 + 256, -(2.0**31) - 256, 2.0**32 - 256,
+             2.0**32, -(2.0**32), -(2.0**32) + 256, 2147483520.0, -2147483520.0, 3e9, -3e9, 1e10,
+             -1e10, np.inf, -np.inf]
+    rng = np.random.default_rng(abs(zero_point) % 1000)
+    x = np.concatenate([np.float32(edges), rng.uniform(-5e9, 5e9, 300).astype(np.float32)])
+    zp = None if zero_point == 0 else jnp.int32(zero_point)
+    got = np.asarray(jq.quantize(jnp.asarray(x), jnp.float32(1), zp, dtype=jnp.int32).qvalue)
+    np.testing.assert_array_equal(got.astype(np.int64), _int32_reference(x, zero_point))
+
+
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated:UserWarning")
+@pytest.mark.parametrize("zero_point", [0, 10, -10])
+def test_int32_saturation_matches_torch_qint32(zero_point):
+    x = torch.tensor([3e9, -3e9, 1e10, 2.5e9, 1e3, -7.5], dtype=torch.float32)
+    want = torch.quantize_per_tensor(x, 1.0, zero_point, torch.qint32).int_repr().numpy()
+    zp = None if zero_point == 0 else jnp.int32(zero_point)
+    got = jq.quantize(jnp.asarray(x.numpy()), jnp.float32(1), zp, dtype=jnp.int32).qvalue
+    np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_int32_computed_scales_reach_both_ends():
+    sym = jq.quantize(jnp.array([0.5, 1.0, -2.0]), dtype=jnp.int32)
+    np.testing.assert_array_equal(np.asarray(sym.qvalue), [2**29, 2**30, I32_MIN])
+    asym = jq.quantize(jnp.array([0.5, 1.0, 2.0]), dtype=jnp.int32, symmetric=False)
+    assert int(asym.qvalue[-1]) == I32_MAX
+    np.testing.assert_allclose(np.asarray(asym.dequantize()), [0.5, 1.0, 2.0], rtol=1e-6)
+
+
+def test_asymmetric_range_wider_than_float32_max_is_finite():
+    """hi - lo overflows to inf for finite inputs; the scale must not."""
+    x = jnp.array([3e38, -3e38, 1.0])
+    qt = jq.quantize(x, dtype=jnp.int8, symmetric=False)
+    assert np.isfinite(float(qt.scale))
+    np.testing.assert_array_equal(np.asarray(qt.qvalue), [127, -128, 0])
+    np.testing.assert_allclose(np.asarray(qt.dequantize())[:2], [3e38, -3e38], rtol=0.01)
+    assert np.isfinite(np.asarray(jq.fake_quant(x, symmetric=False))).all()
+
+
+@pytest.mark.parametrize("kwargs", [
+    {}, {"axis": 1}, {"axis": 0}, {"axis": 1, "block_size": 2}, {"axis": 0, "block_size": 2},
+    {"block_size": (2, 2)}, {"axis": 1, "symmetric": False},
+    {"axis": 1, "block_size": 2, "dtype": jnp.float8_e4m3fn}, {"axis": 1, "dtype": "mxfp4"},
+    {"axis": 1, "block_size": 2, "dtype": "nf4"},
+], ids=str)
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0)])
+def test_empty_arrays_in_computed_mode(shape, kwargs):
+    x = jnp.zeros(shape)
+    qt = jq.quantize(x, **kwargs)
+    assert qt.shape == shape and qt.dequantize().shape == shape
+    assert not np.isnan(np.asarray(qt.scale, np.float32)).any()
+    assert jq.fake_quant(x, **kwargs).shape == shape
+    assert jax.grad(lambda v: jq.fake_quant(v, **kwargs).sum())(x).shape == shape
+    assert jq.quantize_tree({"w": x})["w"].shape == shape
+
+
+@pytest.mark.parametrize("scale_shape", [(1, 1), (1, 1, 1)])
+@pytest.mark.parametrize("block_size", [None, 2])
+def test_one_element_scale_of_any_rank_is_per_tensor_as_onnx(scale_shape, block_size):
+    x = np.float32([[0.1, -0.5, 0.25, 2.0], [1.0, 0.75, -3.0, 0.0]])
+    scale = np.full(scale_shape, 0.25, np.float32)
+    zp = np.zeros(scale_shape, np.int8)
+    attrs = {} if block_size is None else {"axis": 1, "block_size": block_size}
+    want = onnx_run("QuantizeLinear", {"x": x, "s": scale, "z": zp}, **attrs)
+    qt = jq.quantize(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zp), axis=attrs.get("axis"),
+                     block_size=block_size)
+    assert qt.layout.kind == "tensor"
+    assert_same_bits(qt.qvalue, want, "codes")
+    assert_same_bits(jq.QTensor(jnp.asarray(want), jnp.asarray(scale), jnp.asarray(zp)).dequantize(),
+                     onnx_run("DequantizeLinear", {"q": want, "s": scale, "z": zp}), "values")
+    grad = jax.grad(lambda s: jq.fake_quant(jnp.asarray(x), s).sum())(jnp.asarray(scale))
+    assert grad.shape == scale_shape
+
+
+SUBNORMAL_SCALES = [2.0**-126, 3e-39, 1e-40, 1e-45, 2.0**-120, 1.0]
+
+
+def _with_subnormals(rng) -> np.ndarray:
+    mantissas = rng.integers(1, 2**23, 600).astype(np.uint32)
+    signs = rng.integers(0, 2, 600).astype(np.uint32) << 31
+    tiny = (mantissas | signs).view(np.float32)  # every subnormal magnitude range
+    return np.concatenate([tiny, rng.normal(size=200).astype(np.float32) * np.float32(1e-37),
+                           np.float32([0.0, -0.0, 1e-45, -1e-45, 1e-30])])
+
+
+@pytest.mark.parametrize("fmt", ["int8", "uint8", "int16", "float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("scale", SUBNORMAL_SCALES)
+def test_subnormal_inputs_and_scales_match_onnx(fmt, scale):
+    """XLA:CPU reads subnormals as zero; codes and values are ONNX's all the same."""
+    x = _with_subnormals(np.random.default_rng(7))
+    s, zp = np.float32(scale), np.zeros((), np_dtype(fmt))
+    with np.errstate(all="ignore"):
+        x = x[np.abs(x.astype(np.float64) / s) < 2.0**31]  # ONNX's int32 cast wraps beyond
+    want = onnx_run("QuantizeLinear", {"x": x, "s": s, "z": zp})
+    quantize = lambda v: jq.quantize(v, jnp.float32(s), dtype=np_dtype(fmt)).qvalue
+    assert_same_bits(quantize(jnp.asarray(x)), want, "codes")
+    assert_same_bits(jax.jit(quantize)(jnp.asarray(x)), want, "jitted codes")
+    values = np.asarray(jq.QTensor(jnp.asarray(want), jnp.asarray(s)).dequantize())
+    ref = onnx_run("DequantizeLinear", {"q": want, "s": s, "z": zp})
+    normal = ~(np.abs(ref) < np.finfo(np.float32).tiny)  # products below 2**-126 flush to 0
+    assert_same_bits(values[normal], ref[normal], "values")
+    fake = np.asarray(jq.fake_quant(jnp.asarray(x), jnp.float32(s), dtype=np_dtype(fmt)))
+    assert_same_bits(fake[normal], values[normal], "fake_quant")
+
+
+@pytest.mark.parametrize("fmt, inside, outside", [
+    ("float8_e4m3fn", [447.0, 455.0, 463.9, 464.0], [464.1, 500.0]),  # 464 ties down to 448
+    ("float8_e5m2", [57344.0, 61439.0], [61440.0, 70000.0]),  # 61440 ties up, beyond
+    ("float4_e2m1fn", [6.0, 6.5, 6.99], [7.0, 8.0]),  # 7 ties up to 8, beyond
+])
+def test_float_ste_passes_quotients_that_round_to_the_largest_value(fmt, inside, outside):
+    """The clipped STE tests the rounded, unclipped code, as for integers: x / s = 455
+    rounds to float8_e4m3fn's 448, which is in range."""
+    for sign in (1.0, -1.0):
+        x = jnp.float32(sign) * jnp.array(inside + outside, jnp.float32)
+        g = jax.grad(lambda v: jq.fake_quant(v, jnp.float32(1.0), dtype=fmt).sum())(x)
+        np.testing.assert_array_equal(np.asarray(g), [1.0] * len(inside) + [0.0] * len(outside))
+
+
+@pytest.mark.parametrize("fmt, zero_point", [
+    ("int8", None), ("int8", 0), ("uint8", 128), ("int4", None), ("int32", None),
+    ("float4_e2m1fn", 0.0), ("float4_e2m1fn", None), ("float8_e4m3fn", None),
+])
+def test_fake_quant_has_the_bits_of_dequantize_quantize(fmt, zero_point):
+    """Also the sign of zero: an integer code has no -0.0; ONNX adds a float4 zero point."""
+    x = jnp.array([-0.1, -0.0, 0.0, 0.1, -0.7, 3.0, -1e-3, 1e-3], jnp.float32)
+    dt = np_dtype(fmt)
+    zp = None if zero_point is None else jnp.asarray(np.asarray(zero_point, dt))
+    want = jq.quantize(x, jnp.float32(0.5), zp, dtype=dt).dequantize()
+    assert_same_bits(jq.fake_quant(x, jnp.float32(0.5), zp, dtype=dt), want, "fake_quant")
+    assert_same_bits(jax.jit(lambda v: jq.fake_quant(v, jnp.float32(0.5), zp, dtype=dt))(x), want,
+                     "jitted fake_quant")
+
+
+def test_float4_zero_point_makes_negative_zero_positive_as_onnx():
+    x = np.float32([-0.1, -0.0, 0.3])
+    zp = np.zeros((), ml_dtypes.float4_e2m1fn)
+    want = onnx_run("QuantizeLinear", {"x": x, "s": np.float32(1.0), "z": zp})
+    got = jq.quantize(jnp.asarray(x), jnp.float32(1.0), jnp.asarray(zp), dtype=jnp.float4_e2m1fn)
+    assert_same_bits(got.qvalue, want, "codes", nbits=4)
