@@ -26,16 +26,10 @@ a plain ``jnp`` expression and that definition:
   converted division per element, so compile time stays that of a plain
   ``x / s``.
 * Every other backend (TPUs, which have no float64 units): the hardware
-  quotient corrected in float32 (`correct_quotient`), in the same fused loop:
-  operands are scaled to ``[1, 2)`` by their exponent bits, one Newton step
-  brings the quotient within an ulp, and one exact step picks between it and
-  its neighbours by the sign of the residual ``x - q * s`` against half a gap
-  times ``s``. The residual is computed exactly: operands are split into
-  12-bit halves by bit masks, so every partial product is exact and a fused
-  multiply-add (which XLA may form on any backend) cannot change a result. A
-  quotient of two float32 numbers is never exactly halfway between two float32
-  numbers, so there is no tie to break. Zeros, infinities, NaN, subnormal and
-  overflowing quotients keep the hardware result. These ~40 extra operations
+  quotient corrected in float32 (`jaxquant._corrected_division`: one Newton
+  step and an exact residual test), in the same fused loop. Zeros,
+  infinities, NaN, subnormal and overflowing quotients keep the hardware
+  result. These ~40 extra operations
   per element cost compile time: on a GPU (where this was the path until
   float64 replaced it) whole-tree quantization of GPT-2 small compiled in 14 s
   instead of 0.7 s; on CPU it would also make int8 quantization about 6x
@@ -69,127 +63,22 @@ from jax import lax
 
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import encode
+from jaxquant._corrected_division import (
+    SMALLEST_NORMAL,
+    bits,
+    correct_quotient,
+    from_bits,
+    nan_propagated,
+)
 from jaxquant._formats import Format
 from jaxquant._wide_division import wide_divide
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
            "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "quotient", "scale_factors"]
 
-SMALLEST_NORMAL = float(jnp.finfo(jnp.float32).tiny)
 _INT32_LO, _INT32_HI = -2147483648.0, 2147483520.0  # float32 values that fit in int32
 _F32, _I32, _U32 = jnp.float32, jnp.int32, jnp.uint32
-_MANT, _ONE_BITS, _QUIET = 0x7FFFFF, 0x3F800000, 0x400000
 NAN_CODES = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E}  # ml_dtypes' quiet NaN, sign apart
-
-
-def _bits(a: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(a, _I32)
-
-
-def _float(b: jax.Array) -> jax.Array:
-    return lax.bitcast_convert_type(b, _F32)
-
-
-def _mantissa_and_exponent(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``|a| == m * 2**(e - 127)`` with ``m`` in ``[1, 2)`` for normal (and subnormal) ``a``.
-
-    ``e`` is outside ``[1, 254]`` for zero, inf and NaN (and, where the
-    hardware flushes subnormals, for those too).
-    """
-    a = jnp.abs(a)
-    sub = a < SMALLEST_NORMAL  # subnormal (or zero): scale by 2**64 first, exactly
-    a = jnp.where(sub, a * _F32(2.0**64), a)
-    b = _bits(a)
-    e = (b >> 23) - jnp.where(sub, _I32(64), _I32(0))
-    e = jnp.where(b >= 0x00800000, e, _I32(0))  # still zero: not normal
-    return _float((b & _MANT) | _ONE_BITS), e
-
-
-def _split(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``a == hi + lo`` exactly, ``hi`` rounded to 12 significant bits (``|lo|`` < half its ulp).
-
-    Both halves have at most 12 significant bits, so a product of two halves
-    is exact in float32 (with or without a fused multiply-add).
-    """
-    hi = _float((_bits(a) + 0x800) & _I32(-4096))  # -4096 == 0xFFFFF000
-    return hi, a - hi
-
-
-def _residual(x: jax.Array, s_hi: jax.Array, s_lo: jax.Array, q: jax.Array) -> jax.Array:
-    """``x - q * s``, exact whenever ``q`` is within a few ulps of ``x / s``.
-
-    For ``x``, ``s`` in ``[1, 2)`` and ``q`` within 4 ulps of the quotient each
-    subtraction but the last is exact (the partial sums keep < 24 bits), and the
-    last one is exact whenever ``|x - q * s| < 2**-22`` (it is rounded, but
-    keeps its sign and 24 correct bits, otherwise).
-    """
-    q_hi, q_lo = _split(q)
-    return (((x - q_hi * s_hi) - q_hi * s_lo) - q_lo * s_hi) - q_lo * s_lo
-
-
-def _refine(x: jax.Array, s: jax.Array, q: jax.Array) -> jax.Array:
-    """The correctly rounded ``x / s`` from ``q``, for ``x``, ``s`` in ``[1, 2)``.
-
-    ``q`` (positive, normal) may be off by many ulps: a Newton step
-    ``q + (x - q s) / s`` brings it within one float of the answer; then one
-    exact step moves it to the neighbour across the nearer midpoint, if any.
-    """
-    s_hi, s_lo = _split(s)
-    q = q + _residual(x, s_hi, s_lo, q) / s
-    b = _bits(q)
-    up, down = _float(b + 1), _float(b - 1)
-    r = _residual(x, s_hi, s_lo, q)
-    # ``x / s`` is above the midpoint ``q + gap / 2`` iff ``r > gap / 2 * s``: both
-    # sides exact (a gap is a power of two, and ``r`` is exact near that bound).
-    half = _F32(0.5)
-    q = jnp.where(r > (half * (up - q)) * s, up, q)
-    return jnp.where(r < -((half * (q - down)) * s), down, q)
-
-
-def _nan_propagated(x: jax.Array, s: jax.Array, q: jax.Array) -> jax.Array:
-    """``q``, with x86's NaN propagation: a NaN ``x`` (else ``s``), quieted, with its sign."""
-    quiet = lambda a: _float(_bits(a) | _QUIET)
-    return jnp.where(jnp.isnan(x), quiet(x), jnp.where(jnp.isnan(s), quiet(s), q))
-
-
-def correct_quotient(x: jax.Array, scale: jax.Array, q0: jax.Array) -> jax.Array:
-    """The correctly rounded ``x / scale``, from an approximate quotient ``q0``.
-
-    ``q0`` may be a few ulps off: any division the hardware offers, or the
-    reciprocal rewrite ``x * (1 / scale)``, is within 2; the tests use up to 64.
-    Where the quotient, an operand or ``q0`` is zero, infinite, NaN or
-    subnormal, or ``q0`` is off by a factor of 8 or more, ``q0`` is returned
-    unchanged (starts between far off and a factor of 8 give unspecified values).
-
-    Args:
-      x: float32 array.
-      scale: float32 array broadcastable to ``x``.
-      q0: float32 approximation of ``x / scale``, ``x``'s shape.
-
-    Returns:
-      ``x / scale`` rounded once, to nearest even, as IEEE 754 requires.
-
-    Example:
-      >>> import numpy as np
-      >>> x, s = jnp.float32(1.0), jnp.float32(63.75)
-      >>> q0 = jnp.nextafter(x / s, jnp.float32(0))  # one ulp low
-      >>> bool(correct_quotient(x, s, q0) == np.float32(1.0) / np.float32(63.75))
-      True
-    """
-    xm, ex = _mantissa_and_exponent(x)
-    sm, es = _mantissa_and_exponent(scale)
-    d = ex - es  # x / scale == (xm / sm) * 2**d
-    qb = _bits(jnp.abs(q0))
-    qe = (qb >> 23) - d  # biased exponent of q0 / 2**d, which is near xm / sm in (0.5, 2)
-    ok = (ex >= 1) & (ex <= 254) & (es >= 1) & (es <= 254) & (qb < 0x7F800000)
-    ok &= (qb >= 0x00800000) & (qe >= 125) & (qe <= 128)
-    q = _refine(xm, sm, _float((qb & _MANT) | (jnp.clip(qe, 125, 128) << 23)))
-    qb = _bits(q)
-    e = (qb >> 23) + d
-    ok &= (e >= 1) & (e <= 254)  # a normal result
-    sign = (_bits(x) ^ _bits(scale)) & _I32(-(2**31))
-    q = _float((qb & _MANT) | (jnp.clip(e, 1, 254) << 23) | sign)
-    return jnp.where(ok, q, q0)
 
 
 def _normal_times_2_64(a: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -199,7 +88,7 @@ def _normal_times_2_64(a: jax.Array) -> tuple[jax.Array, jax.Array]:
     the bits: a subnormal's bits (sign apart) are its mantissa ``m``, and
     ``a * 2**64 == m * 2**-85``, a normal float32.
     """
-    b = _bits(a)
+    b = bits(a)
     m = b & _I32(0x7FFFFFFF)
     sub = (m != 0) & (m < 0x00800000)
     up = m.astype(_F32) * _F32(2.0**-85)
@@ -207,7 +96,7 @@ def _normal_times_2_64(a: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def scale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(s, f)`` with ``scale == s * f`` exactly, ``s`` normal (or 0, inf, NaN), ``f`` 1 or ``2**-64``.
+    """``(s, f)``: ``scale == s * f`` exactly, ``s`` normal (or 0, inf, NaN), ``f`` 1 or ``2**-64``.
 
     ``v * scale`` computed as ``(v * s) * f`` is rounded once, as the product
     itself, even where XLA:CPU would read a subnormal ``scale`` as zero (the
@@ -242,11 +131,11 @@ def _plain_division(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def _corrected_division(x: jax.Array, scale: jax.Array) -> jax.Array:
-    return _nan_propagated(x, scale, correct_quotient(x, scale, _plain_division(x, scale)))
+    return nan_propagated(x, scale, correct_quotient(x, scale, _plain_division(x, scale)))
 
 
 def _wide_division(x: jax.Array, scale: jax.Array) -> jax.Array:
-    return _nan_propagated(x, scale, wide_divide(x, scale))
+    return nan_propagated(x, scale, wide_divide(x, scale))
 
 
 @jax.custom_jvp
@@ -329,12 +218,12 @@ def quotient(x: jax.Array, scale: jax.Array, fmt: Format) -> jax.Array:
 
 def exponent(a: jax.Array) -> jax.Array:
     """``floor(log2(|a|))`` of float32 ``a`` from its exponent bits, as int32 (-127 for 0)."""
-    return ((_bits(a) >> 23) & 0xFF) - 127
+    return ((bits(a) >> 23) & 0xFF) - 127
 
 
 def pow2(e: jax.Array) -> jax.Array:
     """``2.0 ** e`` exactly, as float32, for int32 ``e`` in ``[-126, 127]``."""
-    return _float((e + 127) << 23)
+    return from_bits((e + 127) << 23)
 
 
 def stochastic_float(t: jax.Array, fmt: Format, noise: jax.Array) -> jax.Array:
