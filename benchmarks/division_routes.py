@@ -10,7 +10,7 @@ Run from the repository root (either form)::
 `divide` picks its lowering per backend when the program is lowered: the CPU's
 IEEE division (``x / where(x == x, s, 1)``); on GPUs, a float64 division
 rounded to float32 (`jaxquant._wide_division`); on TPUs, the float32 quotient
-corrected with an exact residual (`jaxquant._rounding.correct_quotient`, ~40
+corrected with an exact residual (`jaxquant._corrected_division.correct_quotient`, ~40
 more operations per element). Here each one runs on the CPU, in place of the
 CPU's, so their compile times, program sizes and run times can be compared in
 one process on one machine. Compile time is what the choice of route was about:
@@ -47,7 +47,7 @@ CPU_DIVISION = rounding._plain_division
 ROUTES = {  # name -> the function that takes the CPU division's place
     "CPU: IEEE float32 division (the CPU's own route)": CPU_DIVISION,
     "GPU: float64 division rounded to float32": rounding._wide_division,
-    "TPU: float32 quotient + exact-residual correction": lambda x, s: rounding._nan_propagated(
+    "TPU: float32 quotient + exact-residual correction": lambda x, s: rounding.nan_propagated(
         x, s, rounding.correct_quotient(x, s, CPU_DIVISION(x, s))),
 }
 
