@@ -35,7 +35,6 @@ from jaxquant._serialization import (
     encode,
     header_metadata,
     placements,
-    plain_header,
     plan,
     read_header,
     sharding_of,
@@ -172,8 +171,8 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
     except safetensors.SafetensorError as e:
         raise ValueError(f"{where}: not a valid safetensors file (truncated or corrupted): "
                          f"{e}") from e
-    if allow_plain and not any(k.startswith(HEADER_KEY) for k in meta):
-        header = plain_header(where, {k: (v["dtype"], v["shape"]) for k, v in stored.items()})
+    if allow_plain and HEADER_KEY not in meta:
+        header = _plain_header(where, {k: (v["dtype"], v["shape"]) for k, v in stored.items()})
     else:
         header = read_header(meta, where)
     for key in stored:
@@ -195,6 +194,17 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
 
     with progress_bar(total=len(stored), enabled=progress, desc="loading", unit="tensor") as bar:
         return build(where, header, items, treedef, get)
+
+
+def _plain_header(where: str, stored: dict[str, tuple[str, list[int]]]) -> dict:
+    """A header for a safetensors file jaxquant did not write: every tensor an array leaf."""
+    codes = {c: name for name, c in ST_CODES.items()}
+    for k, (c, _) in stored.items():
+        if c not in codes:
+            raise TypeError(f"{where}: tensor {k!r} has the safetensors dtype {c}, which has no "
+                            f"NumPy dtype; expected one of {sorted(codes)}.")
+    specs = {k: {"dtype": codes[c], "shape": s, "encoding": "raw"} for k, (c, s) in stored.items()}
+    return {"leaves": {k: {"kind": "array"} for k in stored}, "tensors": specs}
 
 
 # --- orbax ----------------------------------------------------------------------------
@@ -239,6 +249,35 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
             ckptr.wait_until_finished()
 
 
+def _orbax_header(ckptr, where: str) -> dict:
+    """The checked jaxquant header of the orbax checkpoint ``where``.
+
+    Raises:
+      FileNotFoundError: no such directory.
+      ValueError: not an orbax checkpoint, no jaxquant header, a corrupted header.
+    """
+    if not os.path.isdir(where):
+        raise FileNotFoundError(f"{where}: no such directory: expected an orbax checkpoint "
+                                f"directory written by save_orbax.")
+    meta = ckptr.metadata(where)
+    if HEADER_KEY not in (meta.custom_metadata or {}):
+        what = ("not an orbax checkpoint (no checkpoint metadata)" if meta.item_metadata is None
+                else f"an orbax checkpoint without a jaxquant header (no {HEADER_KEY!r} entry in "
+                     f"its custom metadata: not written by save_orbax, or its "
+                     f"_CHECKPOINT_METADATA is lost)")
+        raise ValueError(f"{where}: {what}.")
+    return read_header(meta.custom_metadata, where)
+
+
+def _restore_target(spec: dict, sharding):
+    """What orbax restores a stored tensor as: an array on ``sharding``, or, for a 64-bit
+    dtype that jax would narrow (``jax_enable_x64`` off), an exact NumPy array on host."""
+    dtype, shape = storage(spec)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        return np.empty(shape, dtype)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
 def load_orbax(directory: str | os.PathLike, target: Any = None, *,
                progress: bool = False) -> Any:
     """Loads a tree saved by `save_orbax`, bit for bit.
@@ -254,12 +293,14 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
         Default: silent.
 
     Returns:
-      The tree, its leaves placed on ``target``'s shardings.
+      The tree, its leaves placed on ``target``'s shardings (NumPy for 64-bit
+      dtypes while ``jax_enable_x64`` is off and no target places them).
 
     Raises:
-      ValueError: no jaxquant header, a corrupted header or tensor (CRC-32), an
-        unknown format version, a missing or extra key, a shape or metadata
-        mismatch.
+      FileNotFoundError: no such directory.
+      ValueError: not an orbax checkpoint, no jaxquant header, a corrupted header
+        or tensor (CRC-32), a missing or unreadable data file, an unknown format
+        version, a missing or extra key, a shape or metadata mismatch.
       TypeError: a dtype or leaf kind mismatch against ``target``.
 
     Example:
@@ -273,8 +314,7 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
 
     where = os.path.abspath(directory)
     with ocp.StandardCheckpointer() as ckptr:
-        meta = ckptr.metadata(where).custom_metadata
-        header = read_header(meta, where)
+        header = _orbax_header(ckptr, where)
         items, treedef = plan(header, target, where)
         specs = header["tensors"]
         hints = {}
@@ -284,10 +324,13 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
                 if stored_as_is and sharding_of(child) is not None:
                     hints[key] = sharding_of(child)
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-        abstract = {key: jax.ShapeDtypeStruct(storage(spec)[1], storage(spec)[0],
-                                              sharding=hints.get(key, device))
+        abstract = {key: _restore_target(spec, hints.get(key, device))
                     for key, spec in specs.items() if math.prod(storage(spec)[1])}
-        values = ckptr.restore(where, list(abstract.values())) if abstract else []
+        try:
+            values = ckptr.restore(where, list(abstract.values())) if abstract else []
+        except Exception as e:  # TensorStore raises bare Exceptions for missing data files
+            raise ValueError(f"{where}: cannot read the checkpoint's arrays (a missing or "
+                             f"corrupted data file): {str(e).splitlines()[0]}") from e
         restored = dict(zip(abstract, values, strict=True))
 
     def get(key):

@@ -21,9 +21,12 @@ Rules, one ``--rules`` argument each, tried in order (the first whose REGEX
               | mxfp4 | mxint8 | nvfp4                              (composites)
     OPTION := "axis=" INT | "axis=none"  (default -1: one scale per last-axis entry)
               | "block=" INT             (blocks of INT along axis)
-              | "tile=" INT "x" INT ...  (scales over tiles, one length per axis)
+              | "tile=" INT "x" INT ...  (scales over tiles, one length per axis;
+                                          integer, float and codebook formats, not
+                                          the mx* and nvfp4 composites)
               | "packed"                 (2- and 4-bit codes two or four per byte)
-              | "asym"                   (asymmetric: min/max with a zero point)
+              | "asym"                   (asymmetric: min/max with a zero point;
+                                          integer formats only)
               | "nosaturate"             (float formats: no clipping to the largest value)
               | "dq"                     (double quantization of the scales)
               | "scale=" DTYPE           (float32, bfloat16, float16, float8_e8m0fnu, ...)
@@ -174,14 +177,33 @@ def _load(path: str):
         raise _Fail(str(e).splitlines()[0]) from None
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Whether the paths ``a`` and ``b`` name one existing file (links included)."""
+    try:
+        return os.path.samefile(a, b)
+    except OSError:  # either does not exist
+        return False
+
+
+def _apply(spec: QuantSpec, name: str, leaf):
+    """``spec(leaf)``; a rule that does not fit the tensor is a usage error naming it."""
+    import jax
+
+    try:
+        return jax.block_until_ready(spec(leaf))
+    except (TypeError, ValueError) as e:
+        shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", "?")
+        raise _Fail(f"cannot quantize tensor {name!r} ({dtype}{list(shape)}) as its rule "
+                    f"says: {str(e).splitlines()[0]}", _USAGE_ERROR) from None
+
+
 def _quantize(args) -> int:
     import jax
 
     from jaxquant._checkpoint import save_safetensors
     from jaxquant._progress import progress_bar
-    from jaxquant._qtensor import is_qtensor
     from jaxquant._report import format_report, quantization_report
-    from jaxquant._tree import match_rules, path_str, unused_rules
+    from jaxquant._tree import is_record, match_rules, path_str, unused_rules
 
     try:
         rules = None if not args.rules else [parse_rule(r) for r in args.rules]
@@ -190,22 +212,24 @@ def _quantize(args) -> int:
     folder = os.path.dirname(os.path.abspath(args.output))
     if not os.path.isdir(folder):
         raise _Fail(f"{args.output}: cannot write: no such directory {folder}")
+    if _same_file(args.input, args.output):
+        raise _Fail(f"OUT {args.output!r} is the input file IN {args.input!r}: quantize would "
+                    f"overwrite it; give OUT another path.", _USAGE_ERROR)
     tree = _load(args.input)
     for rule in unused_rules(tree, rules) if rules else []:
         print(f"jaxquant: warning: rule {rule[0]!r} matches no tensor", file=sys.stderr)
     specs = match_rules(tree, rules)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qtensor)
-    bar = progress_bar(total=sum(s is not None for s in specs.values()), enabled=not args.quiet,
-                       desc="quantize", unit="tensor")
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)
     out = []
-    for path, leaf in leaves:
-        spec = specs[path_str(path)]
-        if spec is not None:
-            bar.set_postfix_str(path_str(path)[-40:])
-            leaf = jax.block_until_ready(spec(leaf))
-            bar.update()
-        out.append(leaf)
-    bar.close()
+    with progress_bar(total=sum(s is not None for s in specs.values()), enabled=not args.quiet,
+                      desc="quantize", unit="tensor") as bar:
+        for path, leaf in leaves:
+            name = path_str(path)
+            if specs[name] is not None:
+                bar.set_postfix_str(name[-40:])
+                leaf = _apply(specs[name], name, leaf)
+                bar.update()
+            out.append(leaf)
     qtree = jax.tree_util.tree_unflatten(treedef, out)
     try:
         save_safetensors(args.output, qtree, progress=not args.quiet)

@@ -22,7 +22,7 @@ import numpy as np
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
 from jaxquant._schemes import format_name
-from jaxquant._tree import path_str
+from jaxquant._tree import is_record, path_str
 
 __all__ = ["LeafReport", "quantization_report", "format_report"]
 
@@ -44,8 +44,12 @@ class LeafReport:
         bit width, plus scale and zero point).
       sqnr_db: signal-to-quantization-noise ratio ``10 log10(sum x^2 / sum
         (x - x_hat)^2)`` in dB (``inf`` when exact); ``nan`` when there is no
-        reference to compare with or the leaf was kept.
+        reference to compare with or the leaf was kept, and also for a compared
+        leaf when its reference or its codes hold NaN or inf.
       max_abs_error: ``max |x - x_hat|``; ``nan`` as for ``sqnr_db``.
+      compared: whether the leaf was compared with its reference (the two
+        statistics were computed); `format_report` prints a NaN statistic as
+        ``nan`` when it was, ``-`` when it was not.
 
     Example:
       >>> row = LeafReport(path="dense/bias", shape=(8,), format="-", granularity="-",
@@ -63,6 +67,7 @@ class LeafReport:
     nbytes_after: int
     sqnr_db: float = math.nan
     max_abs_error: float = math.nan
+    compared: bool = False
 
     @property
     def quantized(self) -> bool:
@@ -79,7 +84,7 @@ def _granularity(qt: QTensor) -> str:
 
 
 def _nbytes(leaf) -> int:
-    if is_qtensor(leaf):
+    if is_record(leaf):  # a QTensor or PackedArray: the bytes it stores
         return leaf.nbytes
     return math.prod(np.shape(leaf)) * np.dtype(_dtype(leaf)).itemsize
 
@@ -137,12 +142,12 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
       >>> round(rows[1].sqnr_db, 2), round(rows[1].max_abs_error, 5)
       (55.5, 0.00787)
     """
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_qtensor)
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_record)
     paths = [path_str(p) for p, _ in leaves]
     if qtree is None:
         return [_row(path, leaf, leaf) for path, leaf in zip(paths, (v for _, v in leaves),
                                                                 strict=True)]
-    qleaves = jax.tree_util.tree_leaves_with_path(qtree, is_leaf=is_qtensor)
+    qleaves = jax.tree_util.tree_leaves_with_path(qtree, is_leaf=is_record)
     qpaths = [path_str(p) for p, _ in qleaves]
     if paths != qpaths:
         only = sorted(set(paths) ^ set(qpaths))
@@ -167,12 +172,13 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
     if picked:
         sig, err, worst = (np.asarray(v, np.float64) for v in _errors(refs, qts))
         for j, i in enumerate(picked):
-            stats[i] = (_sqnr(sig[j], err[j]), float(worst[j]))
+            stats[i] = (_sqnr(sig[j], err[j]), float(worst[j]), True)
     return [_row(path, ref, q, *stats.get(i, ())) for i, (path, (_, ref), (_, q))
             in enumerate(zip(paths, leaves, qleaves, strict=True))]
 
 
-def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan) -> LeafReport:
+def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan,
+         compared: bool = False) -> LeafReport:
     if is_qtensor(q):
         fmt = format_name(q) + ("(packed)" if q.packed else "")
         gran, dtype = _granularity(q), np.dtype(q.dtype)
@@ -181,12 +187,14 @@ def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan) -> 
     before = math.prod(q.shape) * dtype.itemsize if ref is q and is_qtensor(q) else _nbytes(ref)
     return LeafReport(path=path, shape=tuple(int(d) for d in np.shape(q)), format=fmt,
                       granularity=gran, dtype=dtype.name, nbytes_before=before,
-                      nbytes_after=_nbytes(q), sqnr_db=sqnr, max_abs_error=worst)
+                      nbytes_after=_nbytes(q), sqnr_db=sqnr, max_abs_error=worst,
+                      compared=compared)
 
 
-def _num(v: float, fmt: str) -> str:
+def _num(v: float, fmt: str, compared: bool) -> str:
+    """A statistic's cell: ``-`` for a leaf not compared, ``nan`` for a NaN statistic."""
     if math.isnan(v):
-        return "-"
+        return "nan" if compared else "-"
     return ("inf" if v > 0 else "-inf") if math.isinf(v) else format(v, fmt)
 
 
@@ -219,7 +227,7 @@ def format_report(rows: list[LeafReport]) -> str:
             "SQNR dB", "max err")
     cells = [(r.path, str(r.shape), r.format, r.granularity, r.dtype, f"{r.nbytes_before:,}",
               f"{r.nbytes_after:,}", _ratio(r.nbytes_after, r.nbytes_before),
-              _num(r.sqnr_db, ".1f"), _num(r.max_abs_error, ".2e"))
+              _num(r.sqnr_db, ".1f", r.compared), _num(r.max_abs_error, ".2e", r.compared))
              for r in rows]
     before = sum(r.nbytes_before for r in rows)
     after = sum(r.nbytes_after for r in rows)

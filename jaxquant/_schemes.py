@@ -24,7 +24,8 @@ The MX rows follow the OCP Microscaling Formats (MX) v1.0 specification
 the spec's shared scale times ``2**-6`` (the spec's implied element scale), so
 that codes are plain int8. NVFP4 is NVIDIA's: E2M1 elements in blocks of 16, a
 float8_e4m3fn scale per block and a float32 scale per tensor. MX and NVFP4
-block lengths are part of the format and cannot be changed; NF4/FP4 blocks can.
+block lengths are part of the format and cannot be changed; NF4/FP4 blocks can,
+and can be n-D tiles as for any format (``block_size=(4, 64)``, ``axis=None``).
 """
 
 from __future__ import annotations
@@ -108,7 +109,8 @@ def resolve(dtype, axis, block_size, scale_dtype, explicit: bool = False) -> Res
         return Resolved(get_format(scheme.element), axis, block_size, scale_dtype)
     fmt = get_format(scheme.element if scheme.element in ("nf4", "fp4") or
                      scheme.element.startswith("float6") else jnp.dtype(scheme.element))
-    return Resolved(fmt, -1 if axis is None else axis,
+    tiles = isinstance(block_size, tuple)  # codebooks: tiles over every axis, no axis
+    return Resolved(fmt, axis if tiles or axis is not None else -1,
                     scheme.block_size if block_size is None else block_size,
                     scheme.scale_dtype if scale_dtype is None else scale_dtype)
 

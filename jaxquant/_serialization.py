@@ -33,9 +33,9 @@ from jaxquant._packing import (
     packed_length,
 )
 from jaxquant._qtensor import QTensor, is_qtensor
-from jaxquant._tree import path_str
+from jaxquant._tree import is_record, path_str
 
-__all__ = ["encode", "header_metadata", "read_header", "plain_header", "plan", "placements",
+__all__ = ["encode", "header_metadata", "read_header", "plan", "placements",
            "sharding_of", "storage", "crc32", "block_size_of", "join", "ST_CODES", "HEADER_KEY"]
 
 FORMAT_NAME = "jaxquant.checkpoint"
@@ -54,10 +54,7 @@ ST_CODES = {
 }
 _UINTS = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 _KINDS = {"array": "an array", "packed": "a PackedArray", "qtensor": "a QTensor"}
-
-
-def _is_record(x) -> bool:
-    return isinstance(x, (QTensor, PackedArray))
+_QTENSOR_FIELDS = ("axis", "block_size", "dtype", "packed", "zero_point")  # codebook: optional
 
 
 def _is_arraylike(x) -> bool:
@@ -172,7 +169,7 @@ def encode(tree: Any, *, to_host: bool,
         if on_tensor is not None:
             on_tensor()
 
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=_is_record)
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)
     for p, leaf in flat:
         path = path_str(p)
         if path in leaves:
@@ -231,10 +228,16 @@ def storage(spec: dict) -> tuple[np.dtype, tuple[int, ...]]:
 
 
 def _leaf_keys(path: str, entry: dict) -> list[str]:
-    if entry["kind"] in ("array", "packed"):
+    """The names of the tensors a leaf's header entry stores; checks its required fields."""
+    kind = entry.get("kind") if isinstance(entry, dict) else None
+    if kind in ("array", "packed"):
         return [path]
-    if entry["kind"] != "qtensor":
-        raise ValueError(f"unknown leaf kind {entry['kind']!r}")
+    if kind != "qtensor":
+        raise ValueError(f"leaf {path!r} has kind {kind!r}; expected one of {sorted(_KINDS)}")
+    missing = [name for name in _QTENSOR_FIELDS if name not in entry]
+    if missing:
+        raise ValueError(f"the QTensor entry {path!r} lacks {', '.join(map(repr, missing))}; "
+                         f"a QTensor entry holds {', '.join(map(repr, _QTENSOR_FIELDS))}")
     keys = [join(path, "qvalue")]
     if "scale" in entry:
         keys += _leaf_keys(join(path, "scale"), entry["scale"])
@@ -285,17 +288,6 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise ValueError(f"{where}: malformed jaxquant header: {e}.") from None
     return header
-
-
-def plain_header(where: str, stored: dict[str, tuple[str, list[int]]]) -> dict:
-    """A header for a safetensors file jaxquant did not write: every tensor an array leaf."""
-    codes = {c: name for name, c in ST_CODES.items()}
-    for k, (c, _) in stored.items():
-        if c not in codes:
-            raise TypeError(f"{where}: tensor {k!r} has the safetensors dtype {c}, which has no "
-                            f"NumPy dtype; expected one of {sorted(codes)}.")
-    specs = {k: {"dtype": codes[c], "shape": s, "encoding": "raw"} for k, (c, s) in stored.items()}
-    return {"leaves": {k: {"kind": "array"} for k in stored}, "tensors": specs}
 
 
 def _same(where: str, key: str, expected, spec: dict) -> None:
@@ -358,7 +350,7 @@ def plan(header: dict, target: Any, where: str) -> tuple[list, Any]:
     leaves = header["leaves"]
     if target is None:
         return [(p, e, None) for p, e in leaves.items()], None
-    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=_is_record)
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_record)
     paths = [path_str(p) for p, _ in flat]
     if len(set(paths)) != len(paths):
         raise ValueError(f"{where}: the target has two leaves with the same path.")

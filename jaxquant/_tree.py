@@ -19,6 +19,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._formats import CODEBOOKS, get_format
+from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize, quantize
@@ -26,7 +27,7 @@ from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import SCHEMES, resolve
 
 __all__ = ["QuantSpec", "quantize_tree", "dequantize_tree", "path_str", "match_rules",
-           "unused_rules"]
+           "unused_rules", "is_record"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,7 +43,8 @@ class QuantSpec:
       block_size: split ``axis`` into blocks of this length (``None``: no
         blocks), or a tuple of tile lengths, one per axis (``axis`` is then
         not used).
-      symmetric: symmetric scales, or asymmetric with a zero point.
+      symmetric: symmetric scales, or asymmetric with a zero point (integer
+        formats only).
       saturate: float formats: clip to the largest finite value.
       packed: store 2-, 4- and 6-bit codes packed (two int4 per byte) along the last axis.
       scale_dtype: how scales are stored (``None``: float32; see `jaxquant.quantize`).
@@ -53,7 +55,9 @@ class QuantSpec:
     Raises:
       TypeError: unknown format or scale dtype.
       ValueError: ``block_size <= 0``, ``block_size`` without ``axis``, a block
-        length that contradicts a named format, ``packed`` for a wide format.
+        length that contradicts a named format, ``packed`` for a wide format,
+        ``symmetric=False`` for a float or codebook format (only integer formats
+        have zero points).
 
     Example:
       >>> QuantSpec(dtype=jnp.int4, block_size=32)
@@ -96,6 +100,9 @@ class QuantSpec:
                 raise ValueError("block_size requires axis: the axis that is split into blocks.")
         if self.packed and r.fmt.bits not in (2, 4, 6):
             raise ValueError(f"packed=True needs a 2-, 4- or 6-bit format, got {r.fmt.name}.")
+        if not self.symmetric and not r.fmt.is_integer:
+            raise ValueError(f"symmetric=False needs an integer format (a zero point); "
+                             f"{r.fmt.name} is a {r.fmt.kind} format, which has none.")
         scale_options(r.scale_dtype, self.scale_rounding, self.double_quant, self.symmetric)
 
     def __call__(self, x: jax.Array) -> QTensor:
@@ -159,6 +166,17 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
+def is_record(x) -> bool:
+    """Whether ``x`` is a leaf that tree functions keep whole: a `QTensor` or a `PackedArray`.
+
+    Example:
+      >>> from jaxquant._packing import pack
+      >>> is_record(pack(jnp.array([1, 2, 3], jnp.int4))), is_record(jnp.ones(3))
+      (True, False)
+    """
+    return isinstance(x, (QTensor, PackedArray))
+
+
 def _check_rules(rules: Rules):
     if rules is None or isinstance(rules, QuantSpec):
         return rules
@@ -191,7 +209,8 @@ def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
     """The spec each leaf gets (``None``: kept as it is), by path.
 
     Args:
-      tree: a pytree of arrays (existing `QTensor` leaves are kept: ``None``).
+      tree: a pytree of arrays (existing `QTensor` and `PackedArray` leaves are
+        kept: ``None``).
       rules: as for `quantize_tree`.
 
     Returns:
@@ -206,8 +225,8 @@ def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
       True
     """
     checked = _check_rules(rules)
-    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_qtensor)
-    return {path_str(p): (None if is_qtensor(leaf) else _select(path_str(p), leaf, checked)[0])
+    leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_record)
+    return {path_str(p): (None if is_record(leaf) else _select(path_str(p), leaf, checked)[0])
             for p, leaf in leaves}
 
 
@@ -234,7 +253,7 @@ def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
     if checked is None or isinstance(checked, QuantSpec):
         return []
     used = set()
-    for p, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_qtensor):
+    for p, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_record):
         used.add(_select(path_str(p), leaf, checked)[1])
     return [rule for i, rule in enumerate(rules) if i not in used]
 
@@ -249,7 +268,8 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
         sequence of ``(pattern, QuantSpec | None)``: the first pattern that
         `re.search` finds in the leaf's ``/``-joined path wins, ``None`` keeps
         the leaf, unmatched leaves are kept. Non-float leaves and existing
-        `QTensor` leaves are always kept.
+        `QTensor` and `PackedArray` leaves are always kept (each under its own
+        path, not its children's).
       progress: show a tqdm bar over the leaves that are quantized (on stderr,
         when tqdm is installed; eager calls only, a traced call has nothing to
         show).
@@ -271,8 +291,8 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
       QTensor(int8[4, 8], axis=1, scale[8], dtype=float32)
     """
     checked = _check_rules(rules)
-    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_qtensor)
-    specs = [None if is_qtensor(leaf) else _select(path_str(path), leaf, checked)[0]
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)
+    specs = [None if is_record(leaf) else _select(path_str(path), leaf, checked)[0]
              for path, leaf in flat]
     traced = any(isinstance(leaf, jax.core.Tracer) for _, leaf in flat)
     bar = progress_bar(enabled=progress and not traced, total=sum(s is not None for s in specs),

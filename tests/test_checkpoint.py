@@ -316,6 +316,45 @@ def test_extra_tensor_in_file_is_reported(path):
         load_safetensors(path)
 
 
+@pytest.mark.parametrize("leaf, field", [("w", "axis"), ("w", "packed"), ("w", "dtype"),
+                                         ("w", "block_size"), ("w", "zero_point"),
+                                         ("n", "axis"), ("n/scale", "axis"),
+                                         ("n/scale", "dtype")])
+def test_header_entry_missing_a_field_is_malformed(path, leaf, field):
+    """A QTensor entry (nvfp4's nested scale entry too) without a required field, under a
+    valid CRC-32, is a malformed header, not a bare KeyError."""
+    tree = {"w": jq.quantize(jnp.arange(-7.0, 8.0).reshape(3, 5), dtype=jnp.int4, axis=1),
+            "n": jq.quantize(jnp.linspace(-1.0, 1.0, 64).reshape(2, 32), dtype="nvfp4",
+                             packed=True)}
+    header, tensors = encode(tree, to_host=True)
+    entry = header["leaves"]["n"]["scale"] if leaf == "n/scale" else header["leaves"][leaf]
+    del entry[field]
+    safetensors.numpy.save_file(tensors, path, metadata=header_metadata(header, None))
+    with pytest.raises(ValueError, match=f"malformed jaxquant header: the QTensor entry "
+                                         f"'{leaf}' lacks '{field}'; a QTensor entry holds "
+                                         f"'axis', 'block_size', 'dtype', 'packed'"):
+        load_safetensors(path)
+
+
+def test_header_leaf_without_a_kind_is_malformed(path):
+    header, tensors = encode({"b": jnp.ones(2)}, to_host=True)
+    del header["leaves"]["b"]["kind"]
+    safetensors.numpy.save_file(tensors, path, metadata=header_metadata(header, None))
+    with pytest.raises(ValueError, match=r"malformed jaxquant header: leaf 'b' has kind None; "
+                                         r"expected one of \['array', 'packed', 'qtensor'\]"):
+        load_safetensors(path)
+
+
+def test_allow_plain_reads_a_plain_file_with_jaxquant_prefixed_metadata(path):
+    """Only the exact 'jaxquant' key marks a jaxquant file; other keys are the user's."""
+    safetensors.numpy.save_file({"w": np.arange(3, dtype=np.float32)}, path,
+                                metadata={"jaxquant_tool": "x", "jaxquant.note": "y"})
+    back = load_safetensors(path, allow_plain=True)
+    np.testing.assert_array_equal(np.asarray(back["w"]), np.arange(3, dtype=np.float32))
+    with pytest.raises(ValueError, match="not a jaxquant checkpoint"):
+        load_safetensors(path)
+
+
 # --- targets ---------------------------------------------------------------------------
 
 
@@ -491,3 +530,47 @@ def test_orbax_corrupted_data_fails_the_checksum(tmp_path):
     with pytest.raises(ValueError, match="checksum mismatch in tensor 'w'"):
         load_orbax(tmp_path / "a")
     shutil.rmtree(tmp_path / "a")
+
+
+def test_orbax_64_bit_leaves_without_x64_stay_exact_numpy(tmp_path):
+    """As load_safetensors: int64/uint64/float64 come back as the exact NumPy arrays."""
+    pytest.importorskip("orbax.checkpoint")
+    from jaxquant._checkpoint import load_orbax, save_orbax
+
+    assert not jax.config.jax_enable_x64
+    tree = {"ids": np.array([2**40, -1], np.int64), "u": np.array([2**63 + 5], np.uint64),
+            "f": np.arange(3.0), "w": jnp.ones(2)}
+    save_orbax(tmp_path / "a", tree)
+    back = load_orbax(tmp_path / "a")
+    for k in ("ids", "u", "f"):
+        assert isinstance(back[k], np.ndarray) and back[k].dtype == tree[k].dtype
+        assert back[k].tobytes() == tree[k].tobytes()
+    assert isinstance(back["w"], jax.Array)
+    target = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in tree.items()}
+    assert load_orbax(tmp_path / "a", target)["ids"].tolist() == [2**40, -1]
+
+
+def test_orbax_missing_foreign_or_damaged_checkpoint(tmp_path):
+    pytest.importorskip("orbax.checkpoint")
+    import orbax.checkpoint as ocp
+
+    from jaxquant._checkpoint import load_orbax, save_orbax
+
+    with pytest.raises(FileNotFoundError, match="no_ckpt: no such directory: expected an orbax "
+                                                "checkpoint directory"):
+        load_orbax(tmp_path / "no_ckpt")
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(ValueError, match="empty: not an orbax checkpoint"):
+        load_orbax(tmp_path / "empty")
+    with ocp.StandardCheckpointer() as ckptr:
+        ckptr.save(os.path.abspath(tmp_path / "plain"), {"w": np.ones(3, np.float32)})
+        ckptr.wait_until_finished()
+    with pytest.raises(ValueError, match="plain: an orbax checkpoint without a jaxquant header"):
+        load_orbax(tmp_path / "plain")
+    save_orbax(tmp_path / "a", {"w": jnp.arange(1024, dtype=jnp.float32)})
+    files = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "a") for f in fs
+             if os.sep + "d" + os.sep in os.path.join(d, f)]
+    os.remove(max(files, key=os.path.getsize))  # the array's data file
+    with pytest.raises(ValueError, match="a: cannot read the checkpoint's arrays .a missing or "
+                                         "corrupted data file"):
+        load_orbax(tmp_path / "a")

@@ -181,6 +181,60 @@ def test_quantize_and_report_errors_are_one_line(tmp_path, capsys):
     assert not (tmp_path / "out.safetensors").exists()
 
 
+def test_rule_that_does_not_fit_a_tensor_is_a_one_line_usage_error(tmp_path, capsys):
+    """A rule that parses but fails on the tensor it matches names that tensor, exit 2."""
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    _write_plain(tmp_path / "in.safetensors")
+    safetensors_numpy.save_file({"s": np.full((), 2.0, np.float32)},
+                                str(tmp_path / "scalar.safetensors"))
+    src, dst = str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")
+    cases = [
+        (src, "c_attn.weight=int8:axis=5",
+         r"cannot quantize tensor 'h.0.attn.c_attn.weight' \(float32\[32, 96\]\) as its "
+         r"rule says: axis must be in"),
+        (src, ".*=int8:tile=2x2", r"tensor 'h.0.attn.c_attn.bias' \(float32\[96\]\) as its "
+                                  r"rule says: block_size must have one tile length per axis"),
+        (str(tmp_path / "scalar.safetensors"), ".=int8",
+         r"tensor 's' \(float32\[\]\) as its rule says: axis must be in \[0, 0\)"),
+        (src, "weight=nf4:asym", r"symmetric=False needs an integer format .a zero point.; nf4 "),
+    ]
+    for file, rule, message in cases:
+        assert _cli.main(["quantize", file, dst, "--quiet", "--rules", rule]) == 2, rule
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, (rule, err)
+        assert err.startswith("jaxquant quantize: error: ") and re.search(message, err), err
+    assert not os.path.exists(dst)
+
+
+def test_quantize_refuses_to_overwrite_its_input(tmp_path, capsys):
+    _write_plain(tmp_path / "in.safetensors")
+    src = str(tmp_path / "in.safetensors")
+    before = (tmp_path / "in.safetensors").read_bytes()
+    os.link(src, tmp_path / "link.safetensors")
+    for out_path in (src, os.path.join(str(tmp_path), ".", "in.safetensors"),
+                     str(tmp_path / "link.safetensors")):
+        assert _cli.main(["quantize", src, out_path, "--quiet"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert "is the input file IN" in err and "give OUT another path" in err, err
+    assert (tmp_path / "in.safetensors").read_bytes() == before
+
+
+def test_malformed_header_is_a_one_line_error(tmp_path, capsys):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    from jaxquant._serialization import encode, header_metadata
+
+    header, tensors = encode({"w": jq.quantize(jnp.ones((2, 4)), axis=1)}, to_host=True)
+    del header["leaves"]["w"]["axis"]
+    path = str(tmp_path / "q.safetensors")
+    safetensors_numpy.save_file(tensors, path, metadata=header_metadata(header, None))
+    for argv in (["report", path], ["quantize", path, str(tmp_path / "o.safetensors"), "--quiet"]):
+        assert _cli.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert "malformed jaxquant header: the QTensor entry 'w' lacks 'axis'" in err, err
+
+
 @pytest.mark.parametrize("text,spec", [
     ("int8", jq.QuantSpec()),
     ("int8:axis=0", jq.QuantSpec(axis=0)),
@@ -194,6 +248,7 @@ def test_quantize_and_report_errors_are_one_line(tmp_path, capsys):
     ("mxfp4:packed:round=ceil", jq.QuantSpec(dtype="mxfp4", packed=True, scale_rounding="ceil")),
     ("nvfp4", jq.QuantSpec(dtype="nvfp4")),
     ("int8:tile=128x64", jq.QuantSpec(axis=None, block_size=(128, 64))),
+    ("nf4:tile=4x64:packed", jq.QuantSpec(dtype="nf4", axis=None, block_size=(4, 64), packed=True)),
     ("int8:scale=bfloat16", jq.QuantSpec(scale_dtype=jnp.bfloat16)),
     ("none", None),
 ])
@@ -211,6 +266,10 @@ def test_parse_spec(text, spec):
     ("mxfp4:block=16", r"mxfp4 has blocks of 32"),
     ("mxfp4:round=up", r"scale_rounding must be"),
     ("int8:scale=int8", r"scale_dtype must be one of"),
+    ("nf4:asym", r"'nf4:asym': symmetric=False needs an integer format .a zero point.; nf4 is a "
+                 r"codebook format"),
+    ("float8_e4m3fn:asym", r"symmetric=False needs an integer format"),
+    ("mxfp4:tile=4x8", r"mxfp4 has blocks of 32"),
 ])
 def test_parse_spec_errors(text, message):
     with pytest.raises(ValueError, match=message):

@@ -157,3 +157,30 @@ def test_mismatched_trees_raise():
     with pytest.raises(TypeError, match="'zeros': the reference leaf must be a float array, got "
                                         "dtype int32"):
         quantization_report(dict(p, zeros=jnp.zeros((4, 8), jnp.int32)), q)
+
+
+def test_packed_array_leaf_is_one_row_under_its_own_path():
+    """A plain PackedArray leaf reads as the checkpoint names it: p (5,) int4, not p/data."""
+    packed = jq.pack(jnp.asarray(np.array([1, 2, 3, 4, 5]), jnp.int4))
+    tree = {"p": packed, "w": jnp.ones((2, 4))}
+    for rows in (quantization_report(tree), quantization_report(tree, jq.quantize_tree(tree))):
+        p = rows[0]
+        assert (p.path, p.shape, p.dtype, p.format) == ("p", (5,), "int4", "-")
+        assert p.nbytes_before == p.nbytes_after == packed.nbytes == 3
+        assert not p.compared
+    line = format_report(quantization_report(tree)).splitlines()[2].split()
+    assert line[:5] == ["p", "(5,)", "-", "-", "int4"]
+
+
+@pytest.mark.parametrize("bad", [jnp.nan, jnp.inf])
+def test_nan_statistic_prints_apart_from_an_uncompared_leaf(bad):
+    x = jnp.arange(1.0, 9.0).reshape(2, 4).at[0, 0].set(bad)
+    tree = {"b": jnp.ones(4), "w": x}
+    rows = quantization_report(tree, jq.quantize_tree(tree))
+    assert rows[1].compared and math.isnan(rows[1].sqnr_db) and math.isnan(rows[1].max_abs_error)
+    assert not rows[0].compared
+    lines = format_report(rows).splitlines()
+    assert lines[2].split()[-2:] == ["-", "-"]  # b: kept, nothing compared
+    assert lines[3].split()[-2:] == ["nan", "nan"]  # w: compared, NaN statistics
+    alone = format_report(quantization_report(jq.quantize_tree(tree))).splitlines()
+    assert alone[3].split()[-2:] == ["-", "-"]  # a quantized tree alone: nothing compared

@@ -85,3 +85,46 @@ def test_spec_is_frozen_hashable_and_validated():
         jq.QuantSpec(jnp.int8)  # keyword-only
     with pytest.raises(TypeError, match=r"rules\[0\] must be a \(pattern: str, QuantSpec \| None\) pair"):
         jq.quantize_tree(_params(), [("kernel", "int8")])
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "fp4", "float6_e2m3fn", jnp.float8_e4m3fn,
+                                   jnp.float4_e2m1fn, "mxfp4", "nvfp4", "mxfp8_e4m3"])
+def test_asymmetric_spec_needs_an_integer_format(dtype):
+    """Only integer formats have zero points: the spec is refused when built, not when called."""
+    name = jq.get_format(dtype).name if not isinstance(dtype, str) else None
+    with pytest.raises(ValueError, match=rf"symmetric=False needs an integer format \(a zero "
+                                         rf"point\); {name or ''}"):
+        jq.QuantSpec(dtype=dtype, symmetric=False)
+    for ok in (jnp.int4, jnp.uint8, jnp.int2):
+        q = jq.QuantSpec(dtype=ok, symmetric=False)(jnp.arange(8.0).reshape(2, 4))
+        assert q.zero_point is not None
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "fp4"])
+def test_codebook_schemes_take_tiles_like_other_formats(dtype):
+    x = jnp.asarray(np.random.default_rng(1).standard_normal((8, 64)), jnp.float32)
+    q = jq.QuantSpec(dtype=dtype, axis=None, block_size=(4, 16), packed=True)(x)
+    assert q.block_size == (4, 16) and q.axis is None and q.scale.shape == (2, 4)
+    assert q.codebook == dtype and q.packed
+    # tiles of one row by 64 are the scheme's own blocks of 64 along the last axis
+    rows = jq.QuantSpec(dtype=dtype, axis=None, block_size=(1, 64))(x)
+    blocks = jq.QuantSpec(dtype=dtype)(x)
+    np.testing.assert_array_equal(np.asarray(rows.qvalue), np.asarray(blocks.qvalue))
+    np.testing.assert_array_equal(np.asarray(rows.dequantize()), np.asarray(blocks.dequantize()))
+    dq = jq.quantize(x, dtype=dtype, block_size=(4, 16), double_quant=True)
+    assert dq.block_size == (4, 16) and jq.is_qtensor(dq.scale)
+    with pytest.raises(ValueError, match="mxfp4 has blocks of 32 by definition"):
+        jq.QuantSpec(dtype="mxfp4", axis=None, block_size=(4, 16))
+
+
+def test_packed_array_leaf_is_matched_and_kept_under_its_own_path():
+    """A PackedArray leaf is one leaf named by its path, not by its child 'data'."""
+    packed = jq.pack(jnp.asarray(np.array([1, 2, 3, 4, 5]), jnp.int4))
+    packed_f4 = jq.pack(jnp.zeros((2, 4), jnp.float4_e2m1fn))
+    tree = {"p": packed, "f": packed_f4, "w": jnp.ones((2, 4))}
+    rules = [("^p$", jq.QuantSpec()), ("^f$", jq.QuantSpec()), ("data", jq.QuantSpec())]
+    assert jq.match_rules(tree, rules) == {"f": None, "p": None, "w": None}
+    assert jq.unused_rules(tree, rules) == [("data", jq.QuantSpec())]
+    q = jq.quantize_tree(tree, [("", jq.QuantSpec())])
+    assert q["p"] is packed and q["f"] is packed_f4 and jq.is_qtensor(q["w"])
+    assert jq.quantize_tree(tree)["f"] is packed_f4
