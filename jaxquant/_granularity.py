@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["Layout", "layout_from_scale", "layout_from_args", "expand", "group_reduce",
-           "apply_grouped", "squeeze_tensor_scale"]
+           "apply_grouped", "squeeze_tensor_scale", "explicit_sharding"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,13 +219,30 @@ def _crop(v: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return v if tuple(v.shape) == tuple(shape) else v[tuple(slice(0, n) for n in shape)]
 
 
+def explicit_sharding(x):
+    """``x``'s sharding if its type carries one (mesh axes of type ``Explicit``), else ``None``."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    return sharding if spec and any(p is not None for p in spec) else None
+
+
 def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array:
-    """``x`` viewed as ``(n0, b0, n1, b1, ...)``, padding partial tiles at the edges."""
+    """``x`` viewed as ``(n0, b0, n1, b1, ...)``, padding partial tiles at the edges.
+
+    An explicitly sharded ``x`` keeps each axis's mesh axes on its tile counts
+    (whole tiles per shard; `jaxquant._shard_fit` checks that they fit).
+    """
     counts = layout.scale_shape(x.shape)
     pad = [(0, n * b - d) for n, b, d in zip(counts, layout.block_size, x.shape, strict=True)]
     if any(p for _, p in pad):
         x = jnp.pad(x, pad, constant_values=jnp.asarray(pad_value, x.dtype))
-    return x.reshape(_interleave(counts, layout.block_size))
+    shape = _interleave(counts, layout.block_size)
+    sharding = explicit_sharding(x)
+    if sharding is None:
+        return x.reshape(shape)
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    tiled = sharding.update(spec=jax.sharding.PartitionSpec(*_interleave(spec, (None,) * x.ndim)))
+    return jnp.reshape(x, shape, out_sharding=tiled)
 
 
 def _to_blocks(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array:
@@ -271,7 +288,7 @@ def apply_grouped(
                  for g in groupwise)
         y = fn(_to_tiles(x, layout), *views)
         padded = tuple(y.shape[i] * y.shape[i + 1] for i in range(0, y.ndim, 2))
-        return _crop(y.reshape(padded), x.shape)
+        return _crop(jnp.reshape(y, padded, out_sharding=explicit_sharding(x)), x.shape)
     if layout.kind != "block":
         return fn(x, *(None if g is None else expand(g, x.shape, layout) for g in groupwise))
     views = (None if g is None else jnp.expand_dims(g, layout.axis + 1) for g in groupwise)

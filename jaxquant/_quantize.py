@@ -10,6 +10,7 @@ call one jitted kernel each, so equal shapes and metadata never retrace.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +34,7 @@ from jaxquant._rounding import NAN_CODES, quotient, round_to_codes, scale_factor
 from jaxquant._scale_formats import ScaleOptions, scale_options, store_scale
 from jaxquant._scales import compute_scale
 from jaxquant._schemes import resolve
+from jaxquant._shard_fit import check_shards_fit
 
 __all__ = ["quantize", "dequantize"]
 
@@ -174,6 +176,7 @@ def quantize(
                              f"zero point.")
         options = scale_options(r.scale_dtype, scale_rounding, double_quant, bool(symmetric))
         layout = layout_from_args(x.shape, axis, block_size)
+        check_shards_fit(x, layout, 8 // math.gcd(8, fmt.bits) if packed else None)
         return _quantize_computed(x, fmt, layout, bool(symmetric), bool(saturate), packed,
                                   options, key)
     scale = _as_scale(scale)
@@ -183,6 +186,7 @@ def quantize(
         zero_point = jnp.asarray(zero_point)
         zero_point = zero_point_like_scale(zero_point, scale)
         check_zero_point(zero_point, fmt)
+    check_shards_fit(x, layout, 8 // math.gcd(8, fmt.bits) if packed else None)
     return _quantize_explicit(x, scale, zero_point, fmt, layout, bool(saturate), packed, key)
 
 

@@ -299,9 +299,13 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
                        desc="quantize", unit="tensor")
     out = []
     with bar:
-        for (_, leaf), spec in zip(flat, specs, strict=True):
+        for (path, leaf), spec in zip(flat, specs, strict=True):
             if spec is not None:
-                leaf = spec(leaf)
+                try:
+                    leaf = spec(leaf)
+                except (TypeError, ValueError) as e:  # name the leaf the rule failed on
+                    raise type(e)(f"leaf {path_str(path)!r} ({jnp.dtype(leaf.dtype).name}"
+                                  f"{list(leaf.shape)}): {e}") from e
                 bar.update(1)
             out.append(leaf)
     return jax.tree_util.tree_unflatten(treedef, out)
