@@ -211,6 +211,9 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
         if not fmt.is_integer:
             raise ValueError(f"the histogram search models evenly spaced integer levels; use "
                              f"minmax, percentile or mse for {fmt.name}.")
+        if fmt.bits > 16:
+            raise ValueError(f"the histogram search spreads 2**bits levels over the histogram; "
+                             f"it takes formats of at most 16 bits, got {fmt.name}.")
         return _histogram.search_range(state, dst_bins=2 ** fmt.bits)
 
     return _histogram_observer(search, bins, axis)
@@ -293,7 +296,7 @@ def mse(num_candidates: int = 100, *, bins: int = 2048, axis: int | None = None)
     num_candidates = _check_count(num_candidates, "num_candidates")
 
     def search(state, fmt, symmetric):
-        return _histogram.mse_range(state, fmt.dtype, symmetric, num_candidates)
+        return _histogram.mse_range(state, fmt, symmetric, num_candidates)
 
     return _histogram_observer(search, bins, axis)
 

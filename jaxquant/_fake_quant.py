@@ -69,7 +69,7 @@ from jaxquant._quantize import (
     computed_scale,
     scale_values_of,
 )
-from jaxquant._rounding import quotient, round_to_codes, scale_factors
+from jaxquant._rounding import quotient, round_to_codes, scale_factors, stochastic_int
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import resolve
 
@@ -198,7 +198,7 @@ def _codes(x, scale, zero_point, noise, config: _Config):
         q = round_to_codes(t_codes, None, fmt, config.saturate, noise=noise).astype(jnp.float32)
         return t, q, None, s
     zp = None
-    r = jnp.round(t) if noise is None else jnp.floor(t + noise)
+    r = jnp.round(t) if noise is None else stochastic_int(t, noise)
     if zero_point is not None:
         zp = expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x.shape, config.layout)
         r = r + zp

@@ -23,6 +23,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import jax.scipy.linalg
+import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
@@ -44,8 +45,9 @@ def _check(w, hessian, axis, block_size, damp) -> tuple[int | None, int | None]:
     if hessian.shape != (k, k):
         raise ValueError(f"hessian must have shape (in, in) = {(k, k)} for w of shape "
                          f"{w.shape}, got {hessian.shape}.")
-    if not (isinstance(damp, (int, float)) and not isinstance(damp, bool) and damp >= 0):
-        raise ValueError(f"damp must be a non-negative number, got {damp!r}.")
+    if not (isinstance(damp, int | float | np.integer | np.floating)
+            and not isinstance(damp, bool) and 0 <= damp < np.inf):
+        raise ValueError(f"damp must be a finite non-negative number, got {damp!r}.")
     if block_size is None:
         if axis not in (-1, 1):
             raise ValueError(f"axis must be -1 or 1 (one scale per output channel) without "
@@ -54,11 +56,11 @@ def _check(w, hessian, axis, block_size, damp) -> tuple[int | None, int | None]:
     if axis != 0:
         raise ValueError(f"with block_size, axis must be 0 (blocks of input rows), got "
                          f"axis={axis!r}.")
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1 \
-            or k % block_size:
+    if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) \
+            or block_size < 1 or k % block_size:
         raise ValueError(f"block_size must be a positive int dividing in={k}, got "
                          f"{block_size!r}.")
-    return 0, block_size
+    return 0, int(block_size)
 
 
 def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
@@ -84,7 +86,10 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
 
     Raises:
       ValueError: ``w`` not a 2-D float array, ``hessian`` not ``(in, in)``, an axis or
-        block size other than the ones above, a negative ``damp``.
+        block size other than the ones above (codebooks need blocks), a negative or
+        infinite ``damp``; a damped ``hessian`` that is not positive definite (singular,
+        indefinite or not finite; raising ``damp`` helps a singular one). Under ``jit``,
+        where that cannot raise, the scales come back NaN instead.
 
     Example:
       >>> x = jax.random.normal(jax.random.key(0), (256, 64))
@@ -99,8 +104,17 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
     w, hessian = jnp.asarray(w), jnp.asarray(hessian)
     axis, block_size = _check(w, hessian, axis, block_size, damp)
     fmt = get_format(dtype, argname="dtype")
-    return _gptq(w, hessian, fmt.name, block_size, bool(symmetric), float(damp),
-                 bool(act_order))
+    if fmt.is_codebook and block_size is None:
+        raise ValueError(f"dtype {fmt.name} scales blocks of input rows: pass axis=0 and a "
+                         f"block_size (bitsandbytes uses 64); got axis={axis}, block_size=None.")
+    qt, factored = _gptq(w, hessian, fmt.name, block_size, bool(symmetric), float(damp),
+                         bool(act_order))
+    if not isinstance(factored, jax.core.Tracer) and not bool(factored):
+        raise ValueError(f"hessian + damp * mean(diag(hessian)) * I is not positive definite "
+                         f"(damp={damp}): the hessian is singular, indefinite or not finite. "
+                         f"Use more calibration rows than inputs ({w.shape[0]}), or a larger "
+                         f"damp.")
+    return qt
 
 
 @functools.partial(jax.jit, static_argnums=(2, 3, 4, 5, 6))
@@ -113,6 +127,7 @@ def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTe
     h = h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(k, dtype=jnp.float32)
     h_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(h), jnp.eye(k))
     u = jnp.linalg.cholesky(h_inv).T  # upper: H^-1 = U^T U
+    factored = jnp.all(jnp.isfinite(u))  # NaN where a Cholesky factorization failed
     kw = dict(dtype=dtype, symmetric=symmetric)
     if block_size is None:  # per output channel, from w
         base = quantize(wf, axis=1, **kw)
@@ -164,5 +179,6 @@ def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTe
         qt = quantize(q, scales[0], None if zps is None else zps[0], axis=1, dtype=dtype)
     else:
         qt = quantize(q, scales, zps, axis=0, block_size=block_size, dtype=dtype)
-    return QTensor(qt.qvalue, qt.scale, qt.zero_point, axis=qt.axis, block_size=qt.block_size,
-                   dtype=w.dtype, codebook=qt.codebook)  # dequantizes to w's dtype
+    scale = jnp.where(factored, qt.scale, jnp.nan)  # never a plausible kernel from a failure
+    return QTensor(qt.qvalue, scale, qt.zero_point, axis=qt.axis, block_size=qt.block_size,
+                   dtype=w.dtype, codebook=qt.codebook), factored  # dequantizes to w's dtype

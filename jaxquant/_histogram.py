@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxquant._fake_quant import fake_quant
-from jaxquant._formats import get_format
+from jaxquant._formats import Format
 from jaxquant._rounding import divide
 from jaxquant._scales import scale_from_range
 
@@ -362,8 +362,8 @@ def percentile_range(state: HistogramState, q: jax.Array) -> tuple[jax.Array, ja
     return jnp.where(valid, out[:, 0], state.min), jnp.where(valid, out[:, 1], state.max)
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "symmetric", "num_candidates"))
-def mse_range(state: HistogramState, dtype, symmetric: bool,
+@functools.partial(jax.jit, static_argnames=("fmt", "symmetric", "num_candidates"))
+def mse_range(state: HistogramState, fmt: Format, symmetric: bool,
               num_candidates: int) -> tuple[jax.Array, jax.Array]:
     """``r * [min, max]`` per group for the ratio ``r`` with the least squared error.
 
@@ -374,14 +374,13 @@ def mse_range(state: HistogramState, dtype, symmetric: bool,
 
     Args:
       state: ``(G, bins)`` histograms.
-      dtype: the format's dtype.
+      fmt: the format (a codebook's table, not its storage dtype).
       symmetric: symmetric or affine scales.
       num_candidates: the number of ratios.
 
     Returns:
       ``(lo, hi)`` of shape ``(G,)``.
     """
-    fmt = get_format(dtype)
     hist, lo, hi = state
     width = divide(hi - lo, _F32(hist.shape[1]))
     idx = jnp.arange(hist.shape[1], dtype=_F32)[None]
@@ -390,7 +389,7 @@ def mse_range(state: HistogramState, dtype, symmetric: bool,
     def error(k):
         r = divide((k + 1).astype(_F32), _F32(num_candidates))
         scale, zero_point = scale_from_range(lo * r, hi * r, fmt, symmetric)
-        fq = fake_quant(centers, scale, zero_point, dtype=fmt.dtype, axis=0)
+        fq = fake_quant(centers, scale, zero_point, dtype=fmt.name, axis=0)
         return jnp.sum(hist * jnp.square(fq - centers), axis=1)
 
     errors = lax.map(error, jnp.arange(num_candidates, dtype=jnp.int32))

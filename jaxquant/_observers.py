@@ -62,12 +62,12 @@ class RangeState(NamedTuple):
     count: jax.Array
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "symmetric"))
-def _qparams(lo, hi, dtype, symmetric):
+@functools.partial(jax.jit, static_argnames=("fmt", "symmetric"))
+def _qparams(lo, hi, fmt, symmetric):
     empty = (lo == jnp.inf) & (hi == -jnp.inf)
     scale, zero_point = scale_from_range(jnp.where(empty, _F32(0), lo),
                                          jnp.where(empty, _F32(0), hi),
-                                         get_format(dtype), symmetric)
+                                         fmt, symmetric)
     return jnp.where(jnp.isnan(lo) | jnp.isnan(hi), _F32(jnp.nan), scale), zero_point
 
 
@@ -99,7 +99,7 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range) -> Observ
             raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "
                              f"zero point.")
         lo, hi = clip_range(state, fmt, bool(symmetric))
-        return _qparams(lo, hi, fmt.dtype, bool(symmetric))
+        return _qparams(lo, hi, fmt, bool(symmetric))  # a Format: codebooks keep their table
 
     return Observer(init, update, compute)
 

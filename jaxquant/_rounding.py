@@ -74,7 +74,8 @@ from jaxquant._formats import Format
 from jaxquant._wide_division import wide_divide
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
-           "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "quotient", "scale_factors"]
+           "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "stochastic_int", "quotient",
+           "scale_factors"]
 
 _INT32_LO, _INT32_HI = -2147483648.0, 2147483520.0  # float32 values that fit in int32
 _F32, _I32, _U32 = jnp.float32, jnp.int32, jnp.uint32
@@ -210,9 +211,12 @@ def quotient(x: jax.Array, scale: jax.Array, fmt: Format) -> jax.Array:
     """``x / scale`` as ``fmt`` defines it: correctly rounded (`divide`), or, for
     bitsandbytes' codebooks (NF4, FP4), ``x * (1 / scale)`` as bitsandbytes computes it
     (``vals * local_abs_max_inv``); the reciprocal is a per-group constant, so XLA fuses
-    the product into the code search instead of writing the quotients out."""
+    the product into the code search instead of writing the quotients out. Scales above
+    ``2**100`` take the reciprocal of ``scale * 2**-64`` and ``x * 2**-64`` (both exact):
+    a subnormal ``1 / scale`` would be flushed to zero on XLA:CPU."""
     if fmt.is_codebook and fmt.ties == "down":
-        return x * divide(jnp.ones((), jnp.float32), scale)
+        c = jnp.where(scale > _F32(2.0**100), _F32(2.0**-64), _F32(1))
+        return (x * c) * divide(jnp.ones((), jnp.float32), scale * c)
     return divide(x, scale)
 
 
@@ -224,6 +228,22 @@ def exponent(a: jax.Array) -> jax.Array:
 def pow2(e: jax.Array) -> jax.Array:
     """``2.0 ** e`` exactly, as float32, for int32 ``e`` in ``[-126, 127]``."""
     return from_bits((e + 127) << 23)
+
+
+def stochastic_int(t: jax.Array, noise: jax.Array) -> jax.Array:
+    """``floor(t + noise)``, exactly: ``floor(t)``, plus one with probability ``t - floor(t)``.
+
+    The float32 sum ``t + noise`` would round for ``|t| >= 2**22`` (an integral
+    ``t`` would then move up half the time); the fraction and the comparison
+    are exact.
+
+    Example:
+      >>> t = jnp.float32(1e7)  # an integer: never moves
+      >>> int(stochastic_int(t, jnp.float32(0.75)))
+      10000000
+    """
+    low = jnp.floor(t)
+    return low + jnp.where(noise >= 1 - (t - low), _F32(1), _F32(0))
 
 
 def stochastic_float(t: jax.Array, fmt: Format, noise: jax.Array) -> jax.Array:
@@ -272,7 +292,7 @@ def round_to_codes(
         codebook codes as uint8), skipping the slow sub-byte conversion when
         they are packed next.
       noise: ``None``, or uniform ``[0, 1)`` draws of ``t``'s shape for
-        stochastic rounding: ``floor(t + noise)`` for integers, the upper or
+        stochastic rounding: ``floor(t + noise)`` for integers (`stochastic_int`), the upper or
         lower neighbour in proportion to the distance for floats and codebooks.
 
     Returns:
@@ -294,7 +314,7 @@ def round_to_codes(
             return codes
         return lax.platform_dependent(t, codes, cpu=lambda t, codes: codes,
                                       default=lambda t, codes: signed_nan_codes(t, codes))
-    r = jnp.round(t) if noise is None else jnp.floor(t + noise)  # round half to even
+    r = jnp.round(t) if noise is None else stochastic_int(t, noise)  # round half to even
     if fmt.bits <= 16:
         # Whenever r + zero_point lands inside [qmin, qmax], |r| < 2**17 and the
         # float32 sum is exact; outside, rounding is monotone and the clip saturates.

@@ -399,3 +399,25 @@ def test_calibrate_progress_with_and_without_tqdm(monkeypatch, capsys):
     got = cal.calibrate(obs, batches, progress=True)
     jax.tree.map(np.testing.assert_array_equal, got, want)
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("observer", ["minmax", "moving_average_minmax", "percentile", "mse"])
+@pytest.mark.parametrize("name", ["nf4", "fp4", "float6_e2m3fn"])
+def test_observers_give_codebook_scales_not_storage_dtype_ones(observer, name):
+    """A codebook's storage dtype is uint4/uint8; its scale maps absmax to the table's
+    largest entry, without a zero point, as `quantize` computes it."""
+    x = jnp.array([-1.0, 2.0, 0.5, 3.0])
+    obs = getattr(jq.calibration, observer)()
+    scale, zero_point = obs.compute(jq.calibration.calibrate(obs, [x]), dtype=name)
+    assert zero_point is None
+    want = jq.quantize(x, dtype=name).scale
+    np.testing.assert_allclose(float(scale), np.asarray(want).max(), rtol=0.05)  # mse: close
+    back = np.asarray(jq.quantize(x, scale, dtype=name).dequantize())
+    assert np.abs(back - np.asarray(x)).max() < 0.5
+
+
+def test_histogram_search_refuses_wide_formats():
+    obs = jq.calibration.histogram()
+    state = jq.calibration.calibrate(obs, [jnp.arange(8.0)])
+    with pytest.raises(ValueError, match="at most 16 bits, got int32"):
+        obs.compute(state, dtype=jnp.int32)

@@ -2,6 +2,7 @@
 round to nearest when inputs are uncorrelated, less output error than round to nearest
 otherwise, the same QTensor layout as `quantize`, clear argument errors."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -128,10 +129,37 @@ def test_inputs_never_seen_stay_finite():
     (dict(axis=0), "axis must be -1 or 1.*got axis=0"),
     (dict(axis=1, block_size=4), "with block_size, axis must be 0.*got axis=1"),
     (dict(axis=0, block_size=3), "block_size must be a positive int dividing in=8, got 3"),
-    (dict(damp=-0.1), "damp must be a non-negative number, got -0.1"),
+    (dict(damp=-0.1), "damp must be a finite non-negative number, got -0.1"),
 ])
 def test_argument_errors(kw, match):
     args = dict(w=np.ones((8, 4), np.float32), hessian=np.eye(8, dtype=np.float32))
     args.update(kw)
     with pytest.raises(ValueError, match=match):
         jq.gptq(args.pop("w"), args.pop("hessian"), **args)
+
+
+@pytest.mark.parametrize("hessian, damp", [
+    ("rank_deficient", 0.0),  # 8 calibration rows for 64 inputs, undamped
+    ("negative", 0.01),
+    ("nan", 0.01),
+])
+def test_hessian_that_cannot_be_factored_is_an_error_not_zero_codes(hessian, damp):
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((64, 16)), jnp.float32)
+    x = rng.standard_normal((8, 64)).astype(np.float32)
+    h = {"rank_deficient": x.T @ x, "negative": -np.eye(64, dtype=np.float32),
+         "nan": np.full((64, 64), np.nan, np.float32)}[hessian]
+    with pytest.raises(ValueError, match="not positive definite.*larger damp"):
+        jq.gptq(w, jnp.asarray(h), damp=damp)
+    traced = jax.jit(lambda w, h: jq.gptq(w, h, damp=damp))(w, jnp.asarray(h))
+    assert np.isnan(np.asarray(traced.dequantize())).all()  # never a plausible kernel
+
+
+def test_codebook_needs_blocks_and_numpy_scalars_are_accepted():
+    w, h = jnp.ones((64, 8)), jnp.eye(64)
+    with pytest.raises(ValueError, match="nf4 scales blocks of input rows: pass axis=0"):
+        jq.gptq(w, h, dtype="nf4")
+    with pytest.raises(ValueError, match="finite non-negative number, got inf"):
+        jq.gptq(w, h, damp=float("inf"))
+    qt = jq.gptq(w, h, dtype="nf4", axis=0, block_size=np.int64(32), damp=np.float32(0.01))
+    assert qt.block_size == 32 and qt.codebook == "nf4"

@@ -76,3 +76,15 @@ def test_bad_key_is_rejected():
         jq.quantize(jnp.ones(4), key=3)
     with pytest.raises(TypeError, match="key must be a PRNG key"):
         jq.fake_quant(jnp.ones(4), key=jnp.ones(2))
+
+
+@pytest.mark.parametrize("value, dtype", [(1e7, jnp.int32), (12345678.0, jnp.int32),
+                                          (2.0**22 + 0.5, jnp.int32)])
+def test_large_integer_codes_round_stochastically_without_bias(value, dtype):
+    """float32 ``t + noise`` rounds for |t| >= 2**22; the codes must not."""
+    t = jnp.full((4000,), value, jnp.float32)
+    codes = np.asarray(jq.quantize(t, jnp.float32(1), dtype=dtype, key=jax.random.key(3)).qvalue)
+    low = np.floor(np.float64(np.float32(value)))
+    frac = np.float64(np.float32(value)) - low
+    assert set(np.unique(codes) - low) <= ({0.0} if frac == 0 else {0.0, 1.0})
+    assert abs(codes.astype(np.float64).mean() - low - frac) < 0.05
