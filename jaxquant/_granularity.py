@@ -241,7 +241,17 @@ def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array
     if sharding is None:
         return x.reshape(shape)
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
-    tiled = sharding.update(spec=jax.sharding.PartitionSpec(*_interleave(spec, (None,) * x.ndim)))
+    sizes, placed = dict(sharding.mesh.shape), []
+    for names, n, b in zip(spec, counts, layout.block_size, strict=True):
+        ways = math.prod(sizes[a] for a in (names if isinstance(names, tuple) else (names,))) \
+            if names is not None else 1
+        if n % ways == 0:
+            placed += [names, None]  # whole tiles per shard
+        elif n == 1 and b % ways == 0:
+            placed += [None, names]  # one tile, split across the shards
+        else:
+            return x.reshape(shape)  # JAX's own inference (or its error)
+    tiled = sharding.update(spec=jax.sharding.PartitionSpec(*placed))
     return jnp.reshape(x, shape, out_sharding=tiled)
 
 

@@ -255,6 +255,11 @@ class QTensor:
         )
 
     def __repr__(self) -> str:
+        if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (self.qvalue, self.scale)):
+            # placeholder leaves (PartitionSpecs, None, ...) of a tree rebuilt by a tree map
+            return (f"QTensor(qvalue={self.qvalue!r}, scale={self.scale!r}, "
+                    f"zero_point={self.zero_point!r}, axis={self.axis}, "
+                    f"block_size={self.block_size}, dtype={np.dtype(self.dtype).name})")
         zp = "" if self.zero_point is None else ", zero_point"
         gran = {"tensor": "per-tensor", "axis": f"axis={self.axis}",
                 "block": f"axis={self.axis}, block_size={self.block_size}",

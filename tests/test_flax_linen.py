@@ -424,9 +424,6 @@ def test_int4_activations_cannot_run_int8_inference():
     (dict(act=jq.ActQuant()), TypeError, "QuantConfig.act must be an ActSpec or None, got ActQuant"),
     (dict(int8_dot=1), TypeError, "QuantConfig.int8_dot must be a bool, got 1"),
     (dict(learn_scale=True, weight=None), ValueError, "learn_scale=True needs a weight spec, got weight=None"),
-    (dict(learn_scale=True, weight=jq.QuantSpec(dtype=jnp.float8_e4m3fn, symmetric=False)),
-     ValueError, "symmetric=False learns a zero point, which needs an integer weight format, "
-                 "got float8_e4m3fn"),
     (dict(int8_dot=True, weight=jq.QuantSpec(dtype=jnp.int4)), ValueError,
      r"int8_dot=True needs weight=QuantSpec\(dtype=jnp.int8"),
     (dict(int8_dot=True, act=ActSpec(scale=0.1)), ValueError,
@@ -446,3 +443,76 @@ def test_bad_config(kwargs, exc, match):
 def test_bad_act_spec(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ActSpec(**kwargs)
+
+
+@pytest.mark.parametrize("model,x,key,shape", [
+    (nn.Dense(5, use_bias=False), _x(4, 6), "kernel", (6, 4)),
+    (nn.Dense(5, use_bias=False), _x(4, 6), "kernel", (6, 5, 1)),
+    (nn.Einsum((6, 5), "bd,dk->bk", use_bias=False), _x(4, 6), "kernel", (6, 4)),
+    (nn.DenseGeneral((2, 3)), _x(4, 6), "kernel", (6, 3, 2)),
+    (nn.Conv(5, (3,)), _x(1, 4, 6), "kernel", (3, 7, 5)),
+    (nn.Embed(8, 6), TOKENS % 8, "embedding", (8, 5)),
+    (nn.Embed(8, 6), TOKENS % 8, "embedding", (3, 6)),
+], ids=["dense-out", "dense-3d", "einsum", "dense-general", "conv", "embed-feat", "embed-rows"])
+def test_qtensor_kernel_of_the_wrong_shape_raises(model, x, key, shape):
+    # regression: a QTensor kernel was used whatever its shape (float flax raises)
+    qm = quantize_linen(model, QuantConfig())
+    params = qm.init(jax.random.key(0), x)
+    params["params"][key] = jq.quantize(jnp.ones(shape), axis=-1)
+    with pytest.raises(ValueError, match=rf"QTensor {key} has shape \({shape[0]}, .*expects"):
+        qm.apply(params, x)
+
+
+def test_quantize_params_takes_frozen_dicts():
+    flax = pytest.importorskip("flax")
+    qm = quantize_linen(MLP(), QuantConfig())
+    x = _x(2, 6)
+    params = flax.core.freeze(qm.init(jax.random.key(0), x))
+    q = qm.quantize_params(params, x)
+    assert isinstance(q, flax.core.FrozenDict)
+    assert jq.is_qtensor(q["params"]["fc1"]["kernel"])
+    np.testing.assert_allclose(qm.apply(q, x), qm.apply(params, x), atol=1e-6)
+
+
+class _Attend(nn.Module):
+    dtype: object = None
+
+    @nn.compact
+    def __call__(self, t):
+        e = nn.Embed(11, 6, dtype=self.dtype)
+        return e.attend(e(t).astype(jnp.float32))
+
+
+@pytest.mark.parametrize("cfg", [QuantConfig(), QuantConfig(act=ActSpec())], ids=["w", "w+act"])
+@pytest.mark.parametrize("dtype", [None, jnp.bfloat16])
+def test_embed_attend_inference_matches_qat(cfg, dtype):
+    # regressions: inference ignored Embed.dtype, and left the query float with an act rule
+    model = _Attend(dtype)
+    qm = quantize_linen(model, cfg)
+    params = qm.init(jax.random.key(0), TOKENS)
+    yt = qm.apply(params, TOKENS)
+    yq = jax.jit(qm.apply)(qm.quantize_params(params, TOKENS), TOKENS)
+    assert yq.dtype == yt.dtype == model.apply(params, TOKENS).dtype
+    np.testing.assert_allclose(np.asarray(yq, np.float32), np.asarray(yt, np.float32),
+                               atol=1e-5 if dtype is None else 2e-2)
+
+
+class _Tied(nn.Module):
+    @nn.compact
+    def __call__(self, t):
+        e = nn.Embed(11, 6)
+        return e(t) @ e.embedding.T
+
+
+@pytest.mark.parametrize("rules", [QuantConfig(), [("Embed", None)]], ids=["rule", "no-rule"])
+def test_reading_the_embedding_table_directly(rules):
+    # regression: `embed.embedding` was missing on a QTensor table (AttributeError)
+    qm = quantize_linen(_Tied(), rules)
+    params = qm.init(jax.random.key(0), TOKENS)
+    spec = jq.QuantSpec()
+    q = jq.quantize_tree(params, [("embedding", spec)])
+    table = q["params"]["Embed_0"]["embedding"].dequantize()
+    want = jnp.take(table, TOKENS, axis=0) @ table.T
+    np.testing.assert_allclose(qm.apply(q, TOKENS), want, atol=1e-5)
+    if isinstance(rules, QuantConfig):  # QAT reads the fake-quantized table
+        np.testing.assert_allclose(qm.apply(params, TOKENS), want, atol=1e-5)

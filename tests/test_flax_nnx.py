@@ -269,3 +269,80 @@ def test_w8a8_inference_close_to_float_and_dots_are_int8(zoo, zoo_float):
     (conv,) = find_eqns(jaxpr, "conv_general_dilated")
     assert [v.aval.dtype for v in conv.invars] == [jnp.int8, jnp.int8]
     assert conv.outvars[0].aval.dtype == jnp.int32
+
+
+def test_einsum_per_token_scales_follow_the_call_equation():
+    # regression: QAT took the per-token axes from the constructor's equation
+    x = jax.random.normal(jax.random.key(1), (2, 6, 5, 6)) * jnp.arange(1, 7.)[None, :, None, None]
+    cfg = QuantConfig(act=ActSpec())
+    call = lambda m, x: m(x, "abcd,bk->acdk")
+    m = nnx.Einsum("abcd,dk->abck", (6, 4), rngs=nnx.Rngs(0))
+    ref = nnx.Einsum("abcd,bk->acdk", (6, 4), rngs=nnx.Rngs(0))
+    nnx_qat(m, cfg)
+    nnx_qat(ref, cfg)
+    yt = call(m, x)
+    np.testing.assert_allclose(yt, ref(x), atol=1e-6)
+    nnx_quantize(m, cfg)
+    np.testing.assert_allclose(call(m, x), yt, atol=1e-5)
+
+
+class _Layer(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return jnp.tanh(self.lin(x))
+
+
+@nnx.vmap(in_axes=0, out_axes=0)
+def _make_layers(key):
+    return _Layer(nnx.Rngs(key))
+
+
+def _run_layers(layers, x):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+    def body(x, layer):
+        return layer(x)
+    return body(x, layers)
+
+
+@pytest.mark.parametrize("cfg", [
+    QuantConfig(), QuantConfig(act=ActSpec()), QuantConfig(learn_scale=True),
+    QuantConfig(weight=jq.QuantSpec(axis=0)), QuantConfig(weight=jq.QuantSpec(axis=None)),
+    QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=4, packed=True)),
+], ids=["w8", "w8a8", "lsq", "axis0", "tensor", "int4-block"])
+def test_stacked_layers_are_quantized_layer_by_layer(cfg):
+    # regression: the stack was one tensor (one scale for all layers), then scan failed
+    x = jax.random.normal(jax.random.key(1), (2, 5, 8))
+    layers = _make_layers(jax.random.split(jax.random.key(0), 3))
+    k = layers.lin.kernel[...]
+    nnx_qat(layers, cfg)
+    yt = _run_layers(layers, x)
+    if cfg.act is None:  # the reference: each layer's kernel fake-quantized on its own
+        ref = x
+        for i in range(3):
+            kk = jq.fake_quant(k[i], **cfg.weight.computed_kwargs())
+            ref = jnp.tanh(ref @ kk + layers.lin.bias[...][i][None, None])
+        np.testing.assert_allclose(yt, ref, atol=1e-5)
+    nnx_quantize(layers, cfg)
+    qt = layers.lin.kernel[...]
+    assert jq.is_qtensor(qt) and jax.tree.leaves(qt.scale)[0].shape[0] == 3
+    np.testing.assert_allclose(_run_layers(layers, x), yt, atol=1e-5)
+
+
+def test_qtensor_kernel_of_the_wrong_shape_raises():
+    m = nnx.Linear(6, 5, rngs=nnx.Rngs(0))
+    m.kernel.set_value(jq.quantize(jnp.ones((6, 4)), axis=-1))
+    with pytest.raises(ValueError, match=r"Linear at ''.*\(6, 5\).*QTensor of shape \(6, 4\)"):
+        nnx_quantize(m, QuantConfig())
+
+
+def test_embed_attend_with_act_inference_matches_qat():
+    # regression: inference left the query float where QAT fake-quantizes it per token
+    m = nnx.Embed(11, 6, rngs=nnx.Rngs(0))
+    call = lambda m, t: m.attend(m(t))
+    cfg = QuantConfig(act=ActSpec())
+    nnx_qat(m, cfg)
+    yt = call(m, TOKENS)
+    nnx_quantize(m, cfg)
+    np.testing.assert_allclose(nnx.jit(call)(m, TOKENS), yt, atol=1e-6)

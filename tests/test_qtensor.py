@@ -1,5 +1,6 @@
 """QTensor: construction from existing codes, invariants, errors, and metadata."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -69,3 +70,13 @@ def test_formats_table():
     assert (f.bits, f.kind, f.max_finite) == (8, "float", 57344.0)
     assert jq.get_format(jnp.float4_e2m1fn).max_finite == 6.0
     assert jq.get_format("int32").qmin == -(2**31)
+
+
+def test_repr_of_a_tree_of_placeholders():
+    """A QTensor rebuilt by a tree map with PartitionSpec (or None) leaves still prints."""
+    from jax.sharding import PartitionSpec as P
+
+    qt = jq.quantize(jnp.ones((4, 8)), axis=1)
+    specs = jax.tree.map(lambda a: P(None, "model") if a.ndim == 2 else P("model"), qt)
+    text = repr(specs)
+    assert "qvalue=P(None, 'model')" in text and "axis=1" in text

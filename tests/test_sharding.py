@@ -217,3 +217,79 @@ def test_safetensors_round_trip_onto_target_shardings(mesh, tmp_path):
     assert again["emb"].qvalue.sharding.is_fully_replicated
     np.testing.assert_array_equal(np.asarray(jq.dequantize(again["emb"])),
                                   np.asarray(jq.dequantize(q["emb"])))
+
+
+@pytest.mark.parametrize("act", [jq.ActQuant(), None], ids=["w8a8", "w8"])
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(axis=0, block_size=16)],
+                         ids=["channel", "block"])
+def test_int8_qat_dot_gradient_on_explicit_mesh(mesh, spec, act):
+    # regression: the CPU backward read the scale's first element (slicing a sharded scale)
+    # and repeated blocked scales (a reshape of a sharded axis); both are rejected there
+    x, w = _x(16, 64, seed=1), _x(64, 128, seed=2)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, "model")))
+    loss = lambda x, w: jnp.sum(jnp.sin(jq.qat_dot_general(x, w, _dense_dims(), weight=spec,
+                                                           act=act)))
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1)))
+    want = grad(x, w)
+    with jax.set_mesh(mesh):
+        got = grad(xs, ws)
+    assert _spec(got[1]) == P(None, "model")
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_blocked_qat_dot_takes_out_sharding(mesh):
+    x, w = _x(16, 64, seed=1), _x(64, 128, seed=2)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", "model")))
+    ws = jax.device_put(w, NamedSharding(mesh, P("model", None)))
+    out = NamedSharding(mesh, P("data", None))
+    f = lambda x, w: jq.qat_dot_general(x, w, _dense_dims(), out_sharding=out,
+                                        weight=jq.QuantSpec(axis=0, block_size=16))
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))
+    want = grad(x, w)
+    with jax.set_mesh(mesh):
+        assert _spec(jax.jit(f)(xs, ws)) == P("data")
+        got = grad(xs, ws)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(axis=0, block_size=16),
+                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=16, packed=True)],
+                         ids=["w8-block", "w4-block-packed"])
+def test_blocked_int8_dot_fsdp_on_explicit_mesh(mesh, spec):
+    # regression: the blocks of the scale sharded on "data" as the activation's rows
+    x, w = _x(16, 64, seed=1), _x(64, 128, seed=2)
+    dot = jax.jit(lambda x, w: jq.qdot_general(x, w, _dense_dims(), act_quant=jq.ActQuant()))
+    want = dot(x, spec(w))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    ws = jax.jit(spec)(jax.device_put(w, NamedSharding(mesh, P("data", "model"))))
+    with jax.set_mesh(mesh):
+        got = dot(xs, ws)
+    assert _spec(got) == P("data", "model")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_flax_kernels_keep_partition_specs():
+    nn = pytest.importorskip("flax.linen")
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxquant.flax import QuantConfig, nnx_quantize, quantize_linen
+
+    mesh = _mesh(jax.sharding.AxisType.Auto)
+    init = nn.initializers.lecun_normal()
+    with jax.set_mesh(mesh):
+        m = nnx.Linear(32, 64, kernel_init=nnx.with_partitioning(init, (None, "model")),
+                       rngs=nnx.Rngs(0))
+        nnx_quantize(m, QuantConfig())
+        st = nnx.state(m)
+        specs = jax.tree.leaves(nnx.get_partition_spec(st))
+        assert specs == [P(), P(None, "model"), P("model")]  # bias, codes, scale
+        out = jax.jit(lambda s: jax.lax.with_sharding_constraint(s, nnx.get_partition_spec(s)))(st)
+        assert _spec(out["kernel"][...].scale) == P("model")
+        mod = nn.Dense(64, kernel_init=nn.with_partitioning(init, (None, "model")))
+        qm = quantize_linen(mod, QuantConfig(weight=jq.QuantSpec(axis=0, block_size=8)))
+        x = jnp.ones((8, 32))
+        q = qm.quantize_params(qm.init(jax.random.key(0), x), x)
+    assert jax.tree.leaves(nn.get_partition_spec(q)) == [P(), P(None, "model"), P(None, "model")]
+    np.testing.assert_allclose(qm.apply(q, x), qm.apply(nn.meta.unbox(q), x))

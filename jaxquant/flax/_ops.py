@@ -33,9 +33,9 @@ from jaxquant._schemes import resolve
 from jaxquant._tree import QuantSpec
 from jaxquant.flax._rules import ActSpec
 
-__all__ = ["QATPromote", "QATDot", "InferDot", "InferEinsum", "InferConv", "embed_take",
-           "einsum_contract", "explicit_einsum", "fake_quant_act", "fake_quant_weight",
-           "init_qparams", "learned_qtensor"]
+__all__ = ["QATPromote", "QATDot", "QATEinsum", "InferDot", "InferEinsum", "InferConv",
+           "embed_take", "einsum_contract", "explicit_einsum", "fake_quant_act",
+           "fake_quant_weight", "init_qparams", "learned_qtensor"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -168,6 +168,26 @@ class QATPromote:
         if as_tuple:
             return self.inner(tuple(items), dtype=dtype, inexact=inexact)
         return self.inner(*items, dtype=dtype, inexact=inexact)
+
+
+@dataclasses.dataclass(frozen=True)
+class QATEinsum:
+    """An nnx ``Einsum``'s ``einsum_op`` that first fake-quantizes its input.
+
+    Per token along the call's own equation (the constructor's, or the one the
+    layer was called with), as the inference `InferEinsum` quantizes it.
+
+    Attributes:
+      inner: the layer's own ``einsum_op``.
+      act: the input's `ActSpec`.
+    """
+
+    inner: Callable
+    act: ActSpec
+
+    def __call__(self, subscripts, lhs, rhs, *args, **kwargs):
+        lhs = fake_quant_act(lhs, self.act, einsum_contract(subscripts))
+        return self.inner(subscripts, lhs, rhs, *args, **kwargs)
 
 
 def _kwargs(out_sharding, preferred_element_type):

@@ -19,7 +19,6 @@ from jax.typing import DTypeLike
 
 from jaxquant._dot import ActQuant
 from jaxquant._formats import get_format
-from jaxquant._schemes import resolve
 from jaxquant._tree import QuantSpec
 
 __all__ = ["ActSpec", "QuantConfig", "Rules", "check_rules", "select", "unused"]
@@ -34,8 +33,8 @@ class ActSpec:
       granularity: dynamic scales, computed on every call: ``"token"``, one
         scale per index of the input's non-contracted dimensions (per row of a
         ``Dense`` input); ``"tensor"``, one scale for the whole input.
-        Convolutions (and an nnx ``Einsum`` whose equation is given at call
-        time) use one scale per tensor.
+        Convolutions use one scale per tensor; an ``Einsum`` takes its tokens
+        from the equation it is called with.
       scale: a static per-tensor scale (from calibration, for example, see
         `jaxquant.calibration`); ``None`` for dynamic scales.
 
@@ -132,12 +131,6 @@ class QuantConfig:
                                 f"{getattr(self, name)!r}.")
         if self.learn_scale and self.weight is None:
             raise ValueError("learn_scale=True needs a weight spec, got weight=None.")
-        if self.learn_scale and not self.weight.symmetric:
-            fmt = resolve(self.weight.dtype, self.weight.axis, self.weight.block_size,
-                          self.weight.scale_dtype).fmt
-            if not fmt.is_integer:
-                raise ValueError(f"learn_scale=True with symmetric=False learns a zero point, "
-                                 f"which needs an integer weight format, got {fmt.name}.")
         if self.int8_dot:
             w, a = self.weight, self.act
             if w is None or w.dtype != jnp.int8 or not w.symmetric:

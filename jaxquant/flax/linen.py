@@ -16,22 +16,27 @@ import dataclasses
 import functools
 from typing import Any
 
+import flax
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
+from jaxquant.flax._boxes import box_qtensor
 from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, linen_input_grams
+from jaxquant.flax._linen_infer import (
+    PassPromote,
+    check_kernel_shape,
+    einsum_str,
+    get_param,
+    infer,
+)
 from jaxquant.flax._ops import (
-    InferConv,
-    InferDot,
-    InferEinsum,
     QATDot,
     QATPromote,
     einsum_contract,
-    embed_take,
+    fake_quant_weight,
     init_qparams,
     learned_qtensor,
 )
@@ -42,27 +47,8 @@ __all__ = ["QuantizedLinen", "quantize_linen"]
 LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Einsum, nn.Embed)
 
 
-@dataclasses.dataclass(frozen=True)
-class _PassPromote:
-    """`jaxquant.promote_dtype` (QTensors pass through), marking a re-run layer."""
-
-    def __call__(self, *args, dtype=None, inexact=True):
-        return q_promote_dtype(*args, dtype=dtype, inexact=inexact)
-
-
 def _kernel_name(m) -> str:
     return "embedding" if isinstance(m, nn.Embed) else "kernel"
-
-
-def _get(m, name):
-    if not m.scope.has_variable("params", name):
-        return None
-    return nn.meta.unbox(m.scope.get_variable("params", name))
-
-
-def _einsum_str(m, args, kwargs) -> str:
-    s = kwargs.get("einsum_str", args[1] if len(args) > 1 else None)
-    return (s if s is not None else m.einsum_str).replace(" ", "")
 
 
 def _contract(m, method, args, kwargs):
@@ -71,7 +57,7 @@ def _contract(m, method, args, kwargs):
     if isinstance(m, nn.DenseGeneral):
         return tuple(m.axis) if isinstance(m.axis, tuple | list) else (m.axis,)
     if isinstance(m, nn.Einsum):
-        return einsum_contract(_einsum_str(m, args, kwargs))
+        return einsum_contract(einsum_str(m, args, kwargs))
     return (-1,)
 
 
@@ -99,11 +85,11 @@ def _qat(m, method: str, cfg: QuantConfig, args, kwargs):
     promote = QATPromote(m.promote_dtype, weight, act, _contract(m, method, args, kwargs),
                          scale)
     if isinstance(m, nn.Embed):  # set up already: a clone would create its table again
+        table = get_param(m, "embedding")  # float (`m.embedding` is fake-quantized: `_setup`)
         if method == "attend":
-            query, table = promote(args[0] if args else kwargs["query"], m.embedding,
-                                   dtype=m.dtype)
+            query, table = promote(args[0] if args else kwargs["query"], table, dtype=m.dtype)
             return jnp.dot(query, table.T)
-        (table,) = promote(m.embedding, dtype=m.dtype, inexact=False)
+        (table,) = promote(table, dtype=m.dtype, inexact=False)
         inputs = args[0] if args else kwargs["inputs"]
         if not jnp.issubdtype(inputs.dtype, jnp.integer):
             raise ValueError(f"Embed inputs must be integer indices, got dtype {inputs.dtype}.")
@@ -114,50 +100,21 @@ def _qat(m, method: str, cfg: QuantConfig, args, kwargs):
     return getattr(m.clone(parent=m.scope, **updates), method)(*args, **kwargs)
 
 
-def _infer(m, method: str, act, qt, args, kwargs):
-    """A layer with a `QTensor` kernel, without materializing a float kernel."""
-    if isinstance(m, nn.Embed):
-        if method == "attend":
-            q = args[0] if args else kwargs["query"]
-            return InferDot(None)(q, qt, (((q.ndim - 1,), (1,)), ((), ())))
-        return embed_take(qt, args[0] if args else kwargs["inputs"], m.dtype)
-    if isinstance(m, nn.Conv):
-        if m.mask is not None:
-            raise ValueError(f"{type(m).__name__} at {'/'.join(m.path)}: a masked Conv cannot "
-                             f"run on a QTensor kernel; leave it float (rule -> None).")
-        clone = m.clone(parent=m.scope, conv_general_dilated=InferConv(act),
-                        conv_general_dilated_cls=None, promote_dtype=_PassPromote(),
-                        kernel_init=lambda *a, **k: qt)
-        return clone(*args, **kwargs)
-    x = args[0] if args else kwargs["inputs"]
-    bias = _get(m, "bias") if m.use_bias else None
-    x, _, bias = q_promote_dtype(x, qt, bias, dtype=m.dtype)
-    if isinstance(m, nn.Einsum):
-        s = _einsum_str(m, args, kwargs)
-        y = InferEinsum(act)(s, x, qt, precision=m.precision,
-                             preferred_element_type=m.preferred_element_type)
-        if bias is not None:
-            y = y + bias.reshape(m._get_bias_shape(s, x, jax.ShapeDtypeStruct(qt.shape,
-                                                                               qt.dtype))[1])
-        return y
-    if isinstance(m, nn.DenseGeneral):
-        axis = tuple(a % x.ndim for a in np.atleast_1d(m.axis).tolist())
-        batch = tuple(a % x.ndim for a in np.atleast_1d(m.batch_dims).tolist())
-        nb = len(batch)
-        dims = ((axis, tuple(range(nb, nb + len(axis)))), (batch, tuple(range(nb))))
-        features = tuple(np.atleast_1d(m.features).tolist())
-        expanded = tuple(x.shape[a] if a in batch else 1 for a in range(x.ndim)
-                         if a not in axis)
-        y = InferDot(act)(x, qt, dims, precision=m.precision)
-        return y if bias is None else y + bias.reshape(expanded + features)
-    y = InferDot(act)(x, qt, (((x.ndim - 1,), (0,)), ((), ())), precision=m.precision)
-    return y if bias is None else y + bias.reshape((1,) * (y.ndim - 1) + (-1,))
+def _setup(m, cfg: QuantConfig | None, stored) -> None:
+    """``Embed.embedding`` read directly (a tied head ``h @ embed.embedding.T``) holds
+    what the rule's layers compute with: the dequantized table of a QTensor, the
+    fake-quantized table in training (a weight rule), else the float table."""
+    if is_qtensor(stored):
+        m.embedding = stored.dequantize()
+    elif cfg is not None and cfg.weight is not None:
+        sz = _learned(m.scope, "embedding", cfg.weight, stored) if cfg.learn_scale else ()
+        m.embedding = fake_quant_weight(stored, cfg.weight, *sz)
 
 
 def _interceptor(rules, record: dict | None = None):
     def intercept(next_fun, args, kwargs, context):
         m, method = context.module, context.method_name
-        if not isinstance(m, LAYERS) or isinstance(m.promote_dtype, QATPromote | _PassPromote):
+        if not isinstance(m, LAYERS) or isinstance(m.promote_dtype, QATPromote | PassPromote):
             return next_fun(*args, **kwargs)
         calls = ("__call__", "attend", "setup") if isinstance(m, nn.Embed) else ("__call__",)
         if method not in calls:
@@ -165,17 +122,20 @@ def _interceptor(rules, record: dict | None = None):
         path = "/".join(m.path)
         cfg, _ = select(path, rules)
         name = _kernel_name(m)
-        stored = _get(m, name)
+        stored = get_param(m, name)
+        if method == "setup":  # Embed: lookup and attend read the table in `infer` / `_qat`
+            if not is_qtensor(stored):
+                next_fun(*args, **kwargs)
+            return _setup(m, cfg, get_param(m, name))
         if is_qtensor(stored):
-            if method == "setup":  # Embed: the table is read in `_infer`, never unpacked
-                return None
-            return _infer(m, method, None if cfg is None else cfg.act, stored, args, kwargs)
-        if method == "setup" or cfg is None or (cfg.weight is None and cfg.act is None):
+            check_kernel_shape(m, name, stored, args, kwargs)
+            return infer(m, method, None if cfg is None else cfg.act, stored, args, kwargs)
+        if cfg is None or (cfg.weight is None and cfg.act is None):
             y = next_fun(*args, **kwargs)
         else:
             y = _qat(m, method, cfg, args, kwargs)
-        if record is not None and method != "setup":
-            record[path] = (type(m).__name__, name, np.ndim(_get(m, name)), cfg)
+        if record is not None:
+            record[path] = (type(m).__name__, name, np.ndim(get_param(m, name)), cfg)
         return y
 
     return intercept
@@ -342,7 +302,7 @@ class QuantizedLinen:
         record = self._survey(variables, args, kwargs)
         if grams is not None:
             check_gptq_layers(grams, {p: (r[3], r[2]) for p, r in record.items()})
-        out = jax.tree.map(lambda x: x, dict(variables), is_leaf=is_qtensor)
+        out = flax.core.unfreeze(variables)  # a copy, nested dicts
         quant = out.pop("quant", {})
         for path, (_, name, ndim, cfg) in record.items():
             if cfg is None or cfg.weight is None:
@@ -351,19 +311,21 @@ class QuantizedLinen:
             node, qnode = out["params"], quant
             for k in keys:
                 node, qnode = node[k], qnode.get(k, {})
-            leaf, spec = nn.meta.unbox(node[name]), cfg.weight
+            box, leaf, spec = node[name], nn.meta.unbox(node[name]), cfg.weight
             if is_qtensor(leaf):
-                continue
-            if grams is not None and path in grams:
-                node[name] = gptq_kernel(leaf, grams[path], spec, path)
                 continue
             learned = [qnode[name + k] for k in ("_scale", "_zero_point")
                        if cfg.learn_scale and name + k in qnode]
             fn = functools.partial(learned_qtensor, spec=spec) if learned else spec
             for _ in range(leaf.ndim - ndim):  # nn.scan stacks layers on leading axes
                 fn = jax.vmap(fn)
-            node[name] = fn(leaf, *learned)
-        return out
+            if grams is not None and path in grams:
+                fn = functools.partial(gptq_kernel, gram=grams[path], spec=spec, path=path)
+            qt = fn(leaf, *learned)
+            if isinstance(box, nn.Partitioned):  # each array keeps its axes' mesh names
+                qt = box_qtensor(qt, box, leaf.ndim - ndim)
+            node[name] = qt
+        return flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
 
 
 def quantize_linen(module: nn.Module, rules: Rules) -> QuantizedLinen:

@@ -12,28 +12,33 @@ kernel ``Param`` (``qt[...]`` is ``qt``) and injects ``dot_general`` /
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
 from flax import nnx
+from flax.typing import MISSING
+from jax.sharding import PartitionSpec
 
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
+from jaxquant.flax._boxes import qtensor_pspec
 from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel
 from jaxquant.flax._ops import (
     InferConv,
     InferDot,
     InferEinsum,
     QATDot,
+    QATEinsum,
     QATPromote,
-    einsum_contract,
+    fake_quant_act,
     init_qparams,
     learned_qtensor,
 )
-from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
+from jaxquant.flax._rules import ActSpec, QuantConfig, Rules, check_rules, select, unused
 
-__all__ = ["LearnedScale", "nnx_input_grams", "nnx_layers", "nnx_qat", "nnx_quantize",
-           "nnx_unused_rules"]
+__all__ = ["LearnedScale", "QuantizedParam", "nnx_input_grams", "nnx_layers", "nnx_qat",
+           "nnx_quantize", "nnx_unused_rules"]
 
 LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.Einsum, nnx.Embed)
 
@@ -74,12 +79,43 @@ class LearnedScale(nnx.Module):
         return fn(*args, **kwargs)
 
 
+class QuantizedParam(nnx.Param):
+    """The ``nnx.Param`` of a QTensor kernel whose float kernel had ``out_sharding``.
+
+    ``nnx.get_partition_spec`` (and ``get_named_sharding``) give it one spec per
+    array of the QTensor (`jaxquant.flax._boxes`): the codes the kernel's, the
+    scales those of their own axes (the channel axis's, per channel). Metadata
+    ``stacked``: the leading axes of ``nnx.vmap``-made layers.
+    """
+
+    def copy(self, value=MISSING, **updates):
+        raw = self.get_raw_value()
+        if isinstance(value, PartitionSpec) and is_qtensor(raw):
+            value = qtensor_pspec(raw, value, self.get_metadata().get("stacked", 0))
+        return super().copy(value, **updates)
+
+    replace = copy
+
+
+def _keep_sharding(layer, var, extra: int) -> None:
+    """Swaps ``var`` (holding a QTensor now) for a `QuantizedParam` if it is sharded."""
+    metadata = var.get_metadata(exclude_required=True)
+    if metadata.get("out_sharding") and type(var) is nnx.Param:
+        metadata.update(stacked=extra, eager_sharding=False)  # placed as the float kernel
+        setattr(layer, _kernel_name(layer), QuantizedParam(var.get_raw_value(), **metadata))
+
+
 @dataclasses.dataclass(frozen=True)
 class _DequantPromote:
-    """``promote_dtype`` for an ``Embed`` on a QTensor table: dequantized in the jitted step."""
+    """``promote_dtype`` for an ``Embed`` on a QTensor table: dequantized in the jitted step;
+    the query of ``attend`` fake-quantized per token by ``act``, as in training."""
+
+    act: ActSpec | None = None
 
     def __call__(self, args, dtype=None, inexact=True):
         args = tuple(a.dequantize() if is_qtensor(a) else a for a in args)
+        if self.act is not None and len(args) >= 2:
+            args = (fake_quant_act(args[0], self.act, (-1,)),) + args[1:]
         return q_promote_dtype(args, dtype=dtype, inexact=inexact)
 
 
@@ -96,13 +132,41 @@ def _walk(model, rules):
 
 
 def _contract(layer):
-    if isinstance(layer, nnx.Conv):
+    if isinstance(layer, nnx.Conv | nnx.Einsum):  # Einsum: `QATEinsum`, the call's equation
         return None
     if isinstance(layer, nnx.LinearGeneral):
         return tuple(layer.axis)
-    if isinstance(layer, nnx.Einsum):
-        return einsum_contract(layer.einsum_str) if layer.einsum_str else None
     return (-1,)
+
+
+def _kernel_shape(layer) -> tuple[int, ...]:
+    """The shape of one layer's kernel (table), from the layer's attributes."""
+    if isinstance(layer, nnx.Embed):
+        return (layer.num_embeddings, layer.features)
+    if isinstance(layer, nnx.Conv | nnx.Einsum):
+        return tuple(layer.kernel_shape)
+    if isinstance(layer, nnx.LinearGeneral):
+        return (*layer.batch_axis.values(), *layer.in_features, *layer.out_features)
+    return (layer.in_features, layer.out_features)
+
+
+def _stacked(path: str, layer, kernel) -> int:
+    """How many leading axes stack copies of the layer's kernel (``nnx.vmap``-made
+    layers), or a ValueError naming the layer when ``kernel`` does not end in its shape."""
+    want = _kernel_shape(layer)
+    shape = tuple(kernel.shape)
+    if shape[len(shape) - len(want):] != want:
+        raise ValueError(f"the {type(layer).__name__} at {path!r} expects a "
+                         f"{_kernel_name(layer)} of shape {want} (or stacked layers of it), got "
+                         f"{'a QTensor' if is_qtensor(kernel) else 'an array'} of shape {shape}.")
+    return len(shape) - len(want)
+
+
+def _stack(fn, extra: int):
+    """``fn`` vmapped over ``extra`` leading axes: one layer's kernel at a time."""
+    for _ in range(extra):
+        fn = jax.vmap(fn)
+    return fn
 
 
 def _inner_promote(layer):
@@ -183,7 +247,7 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-    for _, layer, cfg in list(_walk(model, rules)):
+    for path, layer, cfg in list(_walk(model, rules)):
         if cfg is None or (cfg.weight is None and cfg.act is None):
             continue
         weight, act = cfg.weight, cfg.act
@@ -192,10 +256,17 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
             if isinstance(layer, nnx.LinearGeneral):
                 layer.dot_general_cls = None
             weight = act = None
+        if isinstance(layer, nnx.Einsum) and act is not None:  # per token of the call's string
+            inner = layer.einsum_op
+            layer.einsum_op = QATEinsum(inner.inner if isinstance(inner, QATEinsum) else inner,
+                                        act)
+            act = None
         promote = QATPromote(_inner_promote(layer), weight, act, _contract(layer))
         if cfg.learn_scale:
             kernel = getattr(layer, _kernel_name(layer))[...]
-            layer.promote_dtype = nnx.data(LearnedScale(promote, *init_qparams(kernel, weight)))
+            init = _stack(functools.partial(init_qparams, spec=weight),
+                          _stacked(path, layer, kernel))
+            layer.promote_dtype = nnx.data(LearnedScale(promote, *init(kernel)))
         else:
             layer.promote_dtype = nnx.static(promote)
     return model
@@ -289,18 +360,21 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
                              f"kernel; leave it float with a (pattern, None) rule.")
         var, spec = getattr(layer, _kernel_name(layer)), cfg.weight
         kernel = var[...]
+        extra = _stacked(path, layer, kernel)  # nnx.vmap-made layers: one QTensor per layer
         if not is_qtensor(kernel):
             hook = layer.promote_dtype
             if grams is not None and path in grams:
                 kernel = gptq_kernel(kernel, grams[path], spec, path)
             elif isinstance(hook, LearnedScale):
-                kernel = learned_qtensor(kernel, *hook.values(), spec=spec)
+                fn = functools.partial(learned_qtensor, spec=spec)
+                kernel = _stack(fn, extra)(kernel, *hook.values())
             else:
-                kernel = spec(kernel)
+                kernel = _stack(spec, extra)(kernel)
             var.set_value(kernel)
+        _keep_sharding(layer, var, extra)
         act = cfg.act
         if isinstance(layer, nnx.Embed):
-            layer.promote_dtype = nnx.static(_DequantPromote())
+            layer.promote_dtype = nnx.static(_DequantPromote(act))
             continue
         layer.promote_dtype = nnx.static(q_promote_dtype)
         if isinstance(layer, nnx.Einsum):
