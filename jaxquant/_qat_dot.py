@@ -6,7 +6,7 @@ order), but runs as an int8 x int8 -> int32 ``lax.dot_general``: the weight is
 quantized to symmetric int8 with an absmax scale (`QuantSpec`: per-tensor,
 per-output-channel, or blocked along the single contracting axis), the
 activation on the fly with `ActQuant` (per token or per tensor), and the int32
-sums are multiplied by both scales (`jaxquant._dot.int_dot_parts`). The int32
+sums are multiplied by both scales (`jaxquant._int_dot.int_dot_parts`). The int32
 sums are exact while ``K * 127 * 127 < 2**31`` (``K`` up to 133,000).
 
 The backward pass is the straight-through estimator (Bengio et al., 2013,
@@ -58,10 +58,19 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._barriers import gemm_operand
-from jaxquant._dot import ActQuant, _check_dims, _int_operand, _to_output, int_dot_parts
+from jaxquant._dot import _check_dims
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import get_format
-from jaxquant._granularity import normalize_axis
+from jaxquant._granularity import Layout, apply_grouped, normalize_axis
+from jaxquant._int_dot import (
+    ActQuant,
+    contraction_pieces,
+    exact_length,
+    int_dot_parts,
+    int_operand,
+    slice_axes,
+    to_output,
+)
 from jaxquant._qtensor import is_qtensor
 from jaxquant._quantize import quantize
 from jaxquant._rounding import divide, round_to_codes
@@ -109,10 +118,13 @@ def _weight_codes(rhs, cfg: _Config):
 
 
 def _dequantize_weight(codes, scale, cfg: _Config, dtype):
-    if cfg.weight.block_size:
-        k, n = cfg.weight.axis, codes.shape[cfg.weight.axis]
-        scale = lax.slice_in_dim(jnp.repeat(scale, cfg.weight.block_size, axis=k), 0, n, axis=k)
-    return (codes.astype(jnp.float32) * scale).astype(dtype)
+    """``codes * scale`` in ``dtype``; blocked scales broadcast in the blocked view (a
+    repeat along a sharded axis is rejected on a mesh with explicit axes)."""
+    w, q = cfg.weight, codes.astype(jnp.float32)
+    if not w.block_size:  # the scale has the codes' rank
+        return (q * scale).astype(dtype)
+    return apply_grouped(jnp.multiply, q, Layout("block", w.axis, w.block_size),
+                         scale).astype(dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -124,7 +136,7 @@ def _qat_dot_fwd(lhs, rhs, cfg: _Config):
     w = _weight_codes(rhs, cfg)
     if cfg.act is None:  # weight-only QAT: float activations, float dot
         return _float_dot(cfg, lhs, _dequantize_weight(*w, cfg, lhs.dtype)), (lhs, w)
-    x = _int_operand(lhs, cfg.dims[0][0], cfg.act)[:2]
+    x = int_operand(lhs, cfg.dims[0][0], cfg.act)[:2]
     y = int_dot_parts([(*x, None), (*w, None)], cfg.dims, cfg.weight.block_size, cfg.out_dtype,
                       cfg.out_sharding)
     return y, (x, w)
@@ -149,7 +161,7 @@ def _qat_dot_bwd(cfg: _Config, residuals, g):
         # Without it XLA:CPU recomputes the dequantized values from the float quotients
         # x / s of the forward pass, which it then keeps in memory in full (a quotient
         # pass more, and 4x the bytes of the codes). The branches are the same.
-        s = jnp.ravel(w[1])[0]
+        s = jnp.max(w[1])  # a scalar on any sharding (slicing a sharded scale is rejected)
         return lax.cond(s == s, grads, grads, x, w, g)
 
     return lax.platform_dependent(x, w, g, cpu=cpu, default=grads)
@@ -170,13 +182,16 @@ def _int8_grad_lhs(g, w, cfg: _Config):
     rhs_free = tuple(d for d in range(codes.ndim) if d not in rc and d not in rb)
     lhs_free = [d for d in range(g.ndim - len(rhs_free) + len(lc)) if d not in lc + lb]
     g_rhs_free = tuple(range(nb + len(lhs_free), g.ndim))
-    gw = g.astype(jnp.float32) * _to_output(s_w, rc, rb, 1, len(lhs_free))
-    qg, s_g, _ = _int_operand(gw, g_rhs_free, ActQuant())
-    acc = lax.dot_general(gemm_operand(qg), gemm_operand(codes),
-                          ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
-                          preferred_element_type=jnp.int32)
+    gw = g.astype(jnp.float32) * to_output(s_w, rc, rb, 1, len(lhs_free))
+    qg, s_g, _ = int_operand(gw, g_rhs_free, ActQuant())
+    pieces = contraction_pieces(tuple(codes.shape[d] for d in rhs_free), exact_length(False))
+    acc = sum(lax.dot_general(gemm_operand(slice_axes(qg, g_rhs_free, p)),
+                              gemm_operand(slice_axes(codes, rhs_free, p)),
+                              ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
+                              preferred_element_type=jnp.int32).astype(jnp.float32)
+              for p in pieces)  # int32 sums exact in each piece
     s_g = s_g.reshape(s_g.shape[:nb + len(lhs_free)] + (1,) * len(rc))
-    dx = acc.astype(jnp.float32) * s_g  # axes: lhs batch, lhs free, lhs contracting (by rc)
+    dx = acc * s_g  # axes: lhs batch, lhs free, lhs contracting (by rc)
     src = list(lb) + lhs_free + [lc[i] for i in np.argsort(rc)]
     return jnp.transpose(dx, tuple(np.argsort(src))).astype(cfg.dtype)
 
@@ -277,7 +292,8 @@ def qat_dot_general(
         int8; it then differs from the STE gradient by at most half a
         quantization step of that row per product term (see the module
         docstring). The weight gradient stays float.
-      out_sharding: passed to ``lax.dot_general`` (except on the blocked path).
+      out_sharding: passed to ``lax.dot_general`` (the blocked int8 dot, whose
+        dot has an extra axis of blocks, reshards its result to it).
 
     Returns:
       The ``lax.dot_general`` result: batch, then lhs free, then rhs free dims.
@@ -334,7 +350,7 @@ def qat_dot_general(
                          f"fake=False; got act={act!r}, weight.block_size="
                          f"{weight.block_size}, fake={fake}.")
     cfg = _Config(dims, weight, act, backward, ops[0].dtype, precision, out_dtype,
-                  None if weight.block_size else out_sharding)
+                  out_sharding)
     return _run(ops[0], ops[1], cfg, bool(fake))
 
 

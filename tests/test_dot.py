@@ -93,6 +93,41 @@ def test_w8a8_lhs_qtensor_and_batch_dims():
     np.testing.assert_array_equal(np.asarray(y), expected)
 
 
+@pytest.mark.parametrize("case", ["per-axis", "zero-point", "one-long-block", "two-axes"])
+def test_w8a8_contraction_too_long_for_int32_sums(case):
+    # int8 codes -128 (-255 with zero point 127) times activation codes 127 summed
+    # over K: K * 127 * 128 >= 2**31 beyond K = 132,104 (66,307 with the zero point).
+    k, v, zp, spec = 147_456, -128.0, None, {}
+    if case == "zero-point":
+        k, v, zp = 70_000, -255.0, jnp.int8(127)
+    if case == "one-long-block":
+        spec = {"axis": 0, "block_size": k}
+    scale = jnp.ones((1, 3) if spec else (), jnp.float32)
+    w = jq.quantize(jnp.full((k, 3), v), scale, zp, **spec)
+    x = np.full((2, k), 127.0, np.float32)
+    x[1, ::2] = -127.0
+    dims = DN
+    if case == "two-axes":  # contract (384, 384) = 147,456 entries
+        x, w, dims = x.reshape(2, 384, 384), jq.quantize(jnp.full((384, 384, 3), v), scale), \
+            (((1, 2), (0, 1)), ((), ()))
+    y = qdot_general(x, w, dims, act_quant=W8A8)
+    exact = np.sign(x.reshape(2, -1)).sum(axis=1, dtype=np.int64) * 127 * int(v)
+    np.testing.assert_allclose(np.asarray(y), np.broadcast_to(exact[:, None], (2, 3)),
+                               rtol=1e-6)
+
+
+def test_int8_backward_contraction_too_long_for_int32_sums():
+    # d lhs = g . fq(w)^T contracts the 140,000 output features: 127 * 127 * 140,000 > 2**31.
+    n = 140_000
+    x, w = jnp.ones((2, 4)), -jnp.ones((4, n))
+
+    def loss(x):
+        return jq.qat_dot_general(x, w, DN, backward="int8").sum()
+
+    np.testing.assert_allclose(np.asarray(jax.grad(loss)(x)), np.full((2, 4), -float(n)),
+                               rtol=1e-6)
+
+
 def test_w8a8_two_qtensors():
     x, w = _data()
     qx, qw = jq.quantize(x, axis=1, block_size=32), jq.quantize(w, axis=0, block_size=32)
