@@ -34,6 +34,7 @@ from jaxquant._serialization import (
     ST_CODES,
     encode,
     header_metadata,
+    is_jaxquant,
     placements,
     plan,
     read_header,
@@ -134,8 +135,8 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
         arrays are placed with `jax.device_put` on its shardings, and its
         QTensors say whether codes come back packed.
       allow_plain: also load a safetensors file that jaxquant did not write (no
-        ``jaxquant`` metadata at all): every tensor becomes an array leaf, with
-        no checksums to verify.
+        ``jaxquant`` or ``jaxquant.crc32`` metadata entry): every tensor becomes an
+        array leaf, with no checksums to verify.
       progress: show a ``tqdm`` progress bar over the tensors on stderr while
         they are verified, decoded and placed, when tqdm is installed (it is
         optional; without it nothing is shown). Default: silent.
@@ -171,7 +172,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
     except safetensors.SafetensorError as e:
         raise ValueError(f"{where}: not a valid safetensors file (truncated or corrupted): "
                          f"{e}") from e
-    if allow_plain and HEADER_KEY not in meta:
+    if allow_plain and not is_jaxquant(meta):
         header = _plain_header(where, {k: (v["dtype"], v["shape"]) for k, v in stored.items()})
     else:
         header = read_header(meta, where)
@@ -254,12 +255,17 @@ def _orbax_header(ckptr, where: str) -> dict:
 
     Raises:
       FileNotFoundError: no such directory.
-      ValueError: not an orbax checkpoint, no jaxquant header, a corrupted header.
+      ValueError: not an orbax checkpoint, damaged orbax metadata, no jaxquant header,
+        a corrupted header.
     """
     if not os.path.isdir(where):
         raise FileNotFoundError(f"{where}: no such directory: expected an orbax checkpoint "
                                 f"directory written by save_orbax.")
-    meta = ckptr.metadata(where)
+    try:
+        meta = ckptr.metadata(where)
+    except Exception as e:  # orbax raises KeyError, JSON errors... for damaged metadata files
+        raise ValueError(f"{where}: cannot read the checkpoint's metadata (corrupted): "
+                         f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
     if HEADER_KEY not in (meta.custom_metadata or {}):
         what = ("not an orbax checkpoint (no checkpoint metadata)" if meta.item_metadata is None
                 else f"an orbax checkpoint without a jaxquant header (no {HEADER_KEY!r} entry in "
@@ -298,9 +304,10 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
 
     Raises:
       FileNotFoundError: no such directory.
-      ValueError: not an orbax checkpoint, no jaxquant header, a corrupted header
-        or tensor (CRC-32), a missing or unreadable data file, an unknown format
-        version, a missing or extra key, a shape or metadata mismatch.
+      ValueError: not an orbax checkpoint, damaged orbax metadata, no jaxquant
+        header, a corrupted header or tensor (CRC-32), a missing or unreadable
+        data file, an unknown format version, a missing or extra key, a shape or
+        metadata mismatch.
       TypeError: a dtype or leaf kind mismatch against ``target``.
 
     Example:

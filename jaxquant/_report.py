@@ -5,7 +5,7 @@ quantized version (by ``/``-joined path, as `jaxquant.quantize_tree` names
 them) and returns one frozen `LeafReport` row per leaf. The error statistics
 of all quantized leaves are computed by one jitted program over the whole tree
 (dequantization included), which runs wherever the leaves live, sharded or
-not, and comes back to the host as three small vectors. `format_report` prints
+not, and comes back to the host as five small vectors. `format_report` prints
 the rows as an aligned table with a total.
 """
 
@@ -93,23 +93,45 @@ def _dtype(leaf) -> np.dtype:
     return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
 
 
+def _scaled_square_sum(v: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(sum (v * 2**-e)^2, e)``, ``e`` the exponent of ``max |v|`` (``frexp``'s).
+
+    Squares of float32 values overflow above about 1e19 and flush to zero below
+    about 1e-19; scaled by a power of two near their largest magnitude they lie
+    in [0, 1). The factor is applied exactly, as two normal powers of two (one of
+    ``2**-128`` would be subnormal, flushed to zero on CPU).
+    """
+    e = jnp.frexp(jnp.max(jnp.abs(v), initial=0.0))[1]
+    h, one = e // 2, jnp.float32(1)
+    u = v * jnp.ldexp(one, -h) * jnp.ldexp(one, h - e)
+    return jnp.sum(u * u), e
+
+
 @jax.jit
-def _errors(refs: list, qts: list) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Per leaf: (sum x^2, sum (x - x_hat)^2, max |x - x_hat|), float32, one program."""
-    sig, err, worst = [], [], []
+def _errors(refs: list, qts: list) -> tuple[jax.Array, ...]:
+    """Per leaf: ``(sum x^2, sum d^2)`` as scaled sums and exponents (`_scaled_square_sum`)
+    and ``max |d|``, with ``d = x - x_hat``, float32, one program."""
+    sig, sig_e, err, err_e, worst = [], [], [], [], []
     for x, qt in zip(refs, qts, strict=True):
         x = x.astype(jnp.float32)
         d = x - dequantize_values(qt)
-        sig.append(jnp.sum(x * x))
-        err.append(jnp.sum(d * d))
+        for v, sums, exps in ((x, sig, sig_e), (d, err, err_e)):
+            total, e = _scaled_square_sum(v)
+            sums.append(total)
+            exps.append(e)
         worst.append(jnp.max(jnp.abs(d), initial=0.0))
-    return jnp.stack(sig), jnp.stack(err), jnp.stack(worst)
+    return tuple(map(jnp.stack, (sig, sig_e, err, err_e, worst)))
 
 
-def _sqnr(sig: float, err: float) -> float:
+def _sqnr(sig: float, sig_e: int, err: float, err_e: int) -> float:
+    """``10 log10(sum x^2 / sum d^2)``, with ``sum x^2 = sig * 4**sig_e`` (and so ``d``)."""
+    if not (np.isfinite(sig) and np.isfinite(err)):
+        return math.nan
     if err == 0:
         return math.inf
-    return -math.inf if sig == 0 else 10 * math.log10(sig / err)
+    if sig == 0:
+        return -math.inf
+    return 10 * math.log10(sig / err) + 20 * math.log10(2) * (int(sig_e) - int(err_e))
 
 
 def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
@@ -125,7 +147,8 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
     Returns:
       `LeafReport` rows in the order of the tree's leaves. With both trees, the
       SQNR and largest error of every quantized leaf come from one jitted
-      program over the whole tree (float32 sums).
+      program over the whole tree (float32 sums of squares scaled by a power of two,
+      so that values from about 1e-38 to 3e38 neither overflow nor flush to zero).
 
     Raises:
       ValueError: the two trees have different leaf paths, or a leaf's shape
@@ -170,9 +193,10 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
             picked.append(i)
     stats = {}
     if picked:
-        sig, err, worst = (np.asarray(v, np.float64) for v in _errors(refs, qts))
+        sig, sig_e, err, err_e, worst = (np.asarray(v) for v in _errors(refs, qts))
         for j, i in enumerate(picked):
-            stats[i] = (_sqnr(sig[j], err[j]), float(worst[j]), True)
+            sqnr = _sqnr(float(sig[j]), sig_e[j], float(err[j]), err_e[j])
+            stats[i] = (sqnr, float(worst[j]), True)
     return [_row(path, ref, q, *stats.get(i, ())) for i, (path, (_, ref), (_, q))
             in enumerate(zip(paths, leaves, qleaves, strict=True))]
 

@@ -35,7 +35,7 @@ from jaxquant._packing import (
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import is_record, path_str
 
-__all__ = ["encode", "header_metadata", "read_header", "plan", "placements",
+__all__ = ["encode", "header_metadata", "is_jaxquant", "read_header", "plan", "placements",
            "sharding_of", "storage", "crc32", "block_size_of", "join", "ST_CODES", "HEADER_KEY"]
 
 FORMAT_NAME = "jaxquant.checkpoint"
@@ -122,7 +122,7 @@ def _encode_array(x) -> tuple[dict, Any]:
 def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
     """Adds a QTensor's tensors (a QTensor scale recursively) and returns its header entry."""
     codes = qt.qvalue
-    if qt.format.bits == 6 and not qt.packed and qt.ndim:  # float6: four codes in three bytes
+    if qt.format.bits == 6 and not qt.packed and qt.ndim and qt.size:  # 4 codes in 3 bytes
         axis = qt.ndim - 1
         codes = PackedArray(_pack6(codes, axis), np.dtype(codes.dtype), qt.shape, axis, 6)
     add(join(path, "qvalue"), codes)
@@ -238,6 +238,10 @@ def _leaf_keys(path: str, entry: dict) -> list[str]:
     if missing:
         raise ValueError(f"the QTensor entry {path!r} lacks {', '.join(map(repr, missing))}; "
                          f"a QTensor entry holds {', '.join(map(repr, _QTENSOR_FIELDS))}")
+    for name, kinds in (("dtype", str), ("packed", bool), ("zero_point", bool)):
+        if not isinstance(entry[name], kinds):
+            raise ValueError(f"the QTensor entry {path!r} has {name}={entry[name]!r}; expected "
+                             f"a {kinds.__name__}")
     keys = [join(path, "qvalue")]
     if "scale" in entry:
         keys += _leaf_keys(join(path, "scale"), entry["scale"])
@@ -246,13 +250,22 @@ def _leaf_keys(path: str, entry: dict) -> list[str]:
     return keys + ([join(path, "zero_point")] if entry["zero_point"] else [])
 
 
+def is_jaxquant(meta: dict[str, str] | None) -> bool:
+    """Whether ``__metadata__`` marks a jaxquant file: its header or its checksum entry (a file
+    whose header key is damaged is still a jaxquant file, and a corrupted one)."""
+    return bool(meta) and (HEADER_KEY in meta or HEADER_CRC_KEY in meta)
+
+
 def read_header(meta: dict[str, str] | None, where: str) -> dict:
     """Parses and checks jaxquant's header from a file's ``__metadata__``.
 
     Raises:
-      ValueError: no header, corrupted header (bad JSON, bad CRC-32, malformed
-        entries) or an unknown format version.
+      ValueError: no header, corrupted header (a checksum entry without its header,
+        bad JSON, bad CRC-32, malformed entries) or an unknown format version.
     """
+    if meta and HEADER_KEY not in meta and HEADER_CRC_KEY in meta:
+        raise ValueError(f"{where}: corrupted jaxquant metadata: a {HEADER_CRC_KEY!r} checksum "
+                         f"but no {HEADER_KEY!r} header entry (keys: {sorted(meta)}).")
     if not meta or HEADER_KEY not in meta:
         raise ValueError(f"{where}: no {HEADER_KEY!r} entry in the metadata: not a jaxquant "
                          f"checkpoint (load_safetensors(..., allow_plain=True) reads a plain "
@@ -266,7 +279,7 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
     if got != FORMAT_NAME:
         raise ValueError(f"{where}: corrupted jaxquant header: expected format "
                          f"{FORMAT_NAME!r}, got {got!r}.")
-    if header.get("version") not in _READABLE:
+    if type(header.get("version")) is not int or header["version"] not in _READABLE:
         readable = ", ".join(map(str, _READABLE))
         raise ValueError(f"{where}: unknown jaxquant checkpoint version {header.get('version')!r}; "
                          f"this jaxquant reads versions {readable} (a newer file needs a "
@@ -281,8 +294,8 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
             used += _leaf_keys(path, entry)
         for key, spec in header["tensors"].items():
             storage(spec)
-            if "crc32" in spec and not isinstance(spec["crc32"], int):
-                raise ValueError(f"tensor {key!r} has a non-integer crc32")
+            if type(spec.get("crc32")) is not int:
+                raise ValueError(f"tensor {key!r} has no integer crc32 (got {spec.get('crc32')!r})")
         if sorted(used) != sorted(header["tensors"]):
             raise ValueError("its leaves and tensors do not match")
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:

@@ -30,7 +30,7 @@ __all__ = ["QuantSpec", "quantize_tree", "dequantize_tree", "path_str", "match_r
            "unused_rules", "is_record"]
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True)
 class QuantSpec:
     """How to quantize one array: a frozen, hashable record.
 

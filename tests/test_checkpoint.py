@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import os
+import re
 import shutil
 import struct
 
@@ -180,6 +181,21 @@ def test_file_is_self_describing(path):
     assert set(stored) == set(header["tensors"])
 
 
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0,), ()])
+def test_empty_and_scalar_float6_codes_round_trip(path, shape):
+    """float6 codes are stored four per three bytes; an empty or 0-d array has nothing to pack."""
+    codes = np.arange(int(np.prod(shape)), dtype=np.uint8).reshape(shape) % 64
+    tree = {"w": jq.QTensor(jnp.asarray(codes), jnp.float32(0.5), codebook="float6_e2m3fn")}
+    save_safetensors(path, tree)
+    with safetensors.safe_open(path, framework="np") as f:
+        stored = f.get_tensor("w/qvalue")
+    assert stored.dtype == np.uint8 and stored.size == 0 if codes.size == 0 else stored.size == 1
+    back = load_safetensors(path)
+    assert back["w"].codebook == "float6_e2m3fn" and back["w"].shape == shape
+    assert np.asarray(back["w"].qvalue).tobytes() == codes.tobytes()
+    assert_identical(tree, load_safetensors(path, jax.eval_shape(lambda: tree)))
+
+
 def test_int4_is_stored_at_half_a_byte_per_code(tmp_path):
     def data_bytes(tree, name):
         p = str(tmp_path / name)
@@ -284,6 +300,32 @@ def test_every_single_byte_flip_is_detected(path):
     assert silent == []
 
 
+def test_every_single_byte_flip_is_detected_with_allow_plain(path):
+    """allow_plain reads files without jaxquant's metadata, not jaxquant files whose header
+    key was damaged: a flipped bit in the key "jaxquant" is a corrupted file, not a plain one."""
+    tree, raw = _small_file(path)
+    silent = []
+    for pos in range(len(raw)):
+        b = bytearray(raw)
+        b[pos] ^= 0x01 if pos % 2 else 0x02
+        with open(path, "wb") as f:
+            f.write(b)
+        try:
+            load_safetensors(path, allow_plain=True)
+        except (ValueError, TypeError):
+            continue
+        silent.append(pos)
+    assert silent == []
+    b = bytearray(raw)
+    key = raw.index(b'"jaxquant":') + 1
+    b[key] = ord("J")
+    with open(path, "wb") as f:
+        f.write(b)
+    with pytest.raises(ValueError, match="corrupted jaxquant metadata: a 'jaxquant.crc32' "
+                                         "checksum but no 'jaxquant' header"):
+        load_safetensors(path, allow_plain=True)
+
+
 def test_unknown_version_and_foreign_files(path):
     header, tensors = encode({"w": jnp.ones(2)}, to_host=True)
     safetensors.numpy.save_file(tensors, path,
@@ -333,6 +375,44 @@ def test_header_entry_missing_a_field_is_malformed(path, leaf, field):
     with pytest.raises(ValueError, match=f"malformed jaxquant header: the QTensor entry "
                                          f"'{leaf}' lacks '{field}'; a QTensor entry holds "
                                          f"'axis', 'block_size', 'dtype', 'packed'"):
+        load_safetensors(path)
+
+
+@pytest.mark.parametrize("field, value", [("dtype", None), ("dtype", 32), ("packed", "yes"),
+                                          ("packed", 1), ("zero_point", 0), ("zero_point", None)])
+def test_header_entry_with_a_mistyped_field_is_malformed(path, field, value):
+    """Under a valid CRC-32, a QTensor entry whose dtype is not a dtype name (null would read
+    as NumPy's default float64) or whose packed / zero_point is not a boolean is malformed."""
+    tree = {"w": jq.quantize(jnp.arange(-7.0, 9.0).reshape(4, 4), dtype=jnp.int4, axis=1)}
+    header, tensors = encode(tree, to_host=True)
+    header["leaves"]["w"][field] = value
+    safetensors.numpy.save_file(tensors, path, metadata=header_metadata(header, None))
+    with pytest.raises(ValueError, match=f"malformed jaxquant header: the QTensor entry 'w' has "
+                                         f"{field}={value!r}"):
+        load_safetensors(path)
+
+
+@pytest.mark.parametrize("crc", [None, "123", 1.5, True])
+def test_every_tensor_needs_its_integer_crc32(path, crc):
+    """jaxquant writes a CRC-32 for every tensor (versions 1 and 2); a header entry without
+    one would skip the data check, so it is malformed."""
+    header, tensors = encode({"w": jnp.ones(2)}, to_host=True)
+    if crc is None:
+        del header["tensors"]["w"]["crc32"]
+    else:
+        header["tensors"]["w"]["crc32"] = crc
+    safetensors.numpy.save_file(tensors, path, metadata=header_metadata(header, None))
+    with pytest.raises(ValueError, match=f"malformed jaxquant header: tensor 'w' has no integer "
+                                         f"crc32 .got {re.escape(repr(crc))}"):
+        load_safetensors(path)
+
+
+@pytest.mark.parametrize("version", [True, 2.0, "2"])
+def test_version_must_be_an_integer(path, version):
+    header, tensors = encode({"w": jnp.ones(2)}, to_host=True)
+    safetensors.numpy.save_file(tensors, path,
+                                metadata=header_metadata(header | {"version": version}, None))
+    with pytest.raises(ValueError, match=f"unknown jaxquant checkpoint version {version!r}"):
         load_safetensors(path)
 
 
@@ -573,4 +653,21 @@ def test_orbax_missing_foreign_or_damaged_checkpoint(tmp_path):
     os.remove(max(files, key=os.path.getsize))  # the array's data file
     with pytest.raises(ValueError, match="a: cannot read the checkpoint's arrays .a missing or "
                                          "corrupted data file"):
+        load_orbax(tmp_path / "a")
+
+
+@pytest.mark.parametrize("name, field", [("_METADATA", b'"key_metadata"'),
+                                         ("_sharding", b'sharding_type')])
+def test_orbax_damaged_metadata_file_is_a_value_error(tmp_path, name, field):
+    """A damaged field in orbax's own metadata files is a corrupted checkpoint (ValueError),
+    not orbax's bare KeyError."""
+    pytest.importorskip("orbax.checkpoint")
+    from jaxquant._checkpoint import load_orbax, save_orbax
+
+    save_orbax(tmp_path / "a", {"w": jnp.arange(8, dtype=jnp.float32)})
+    meta = tmp_path / "a" / name
+    raw = meta.read_bytes()
+    assert field in raw
+    meta.write_bytes(raw.replace(field, field.upper(), 1))
+    with pytest.raises(ValueError, match="a: cannot read the checkpoint's metadata .corrupted"):
         load_orbax(tmp_path / "a")

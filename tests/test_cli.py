@@ -235,6 +235,24 @@ def test_malformed_header_is_a_one_line_error(tmp_path, capsys):
         assert "malformed jaxquant header: the QTensor entry 'w' lacks 'axis'" in err, err
 
 
+def test_damaged_header_key_is_a_corrupted_file_not_a_plain_one(tmp_path, capsys):
+    """The command line reads plain files too; a jaxquant file whose 'jaxquant' metadata key
+    lost a bit is refused, not read as the plain tensors w/qvalue and w/scale."""
+    path = str(tmp_path / "q.safetensors")
+    jq.save_safetensors(path, {"w": jq.quantize(jnp.ones((2, 4)), dtype=jnp.int4, axis=1)})
+    with open(path, "rb") as f:
+        raw = bytearray(f.read())
+    raw[raw.index(b'"jaxquant":') + 1] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(raw)
+    for argv in (["report", path], ["quantize", path, str(tmp_path / "o.safetensors"), "--quiet"]):
+        assert _cli.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert out == "" and err.count("\n") == 1, err
+        assert "corrupted jaxquant metadata" in err, err
+    assert not os.path.exists(tmp_path / "o.safetensors")
+
+
 @pytest.mark.parametrize("text,spec", [
     ("int8", jq.QuantSpec()),
     ("int8:axis=0", jq.QuantSpec(axis=0)),

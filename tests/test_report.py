@@ -184,3 +184,19 @@ def test_nan_statistic_prints_apart_from_an_uncompared_leaf(bad):
     assert lines[3].split()[-2:] == ["nan", "nan"]  # w: compared, NaN statistics
     alone = format_report(quantization_report(jq.quantize_tree(tree))).splitlines()
     assert alone[3].split()[-2:] == ["-", "-"]  # a quantized tree alone: nothing compared
+
+
+@pytest.mark.parametrize("magnitude", [1e25, 1e-25, 3e38, 1e-30])
+def test_statistics_of_very_large_and_very_small_leaves_match_numpy(magnitude):
+    """Squares of finite float32 values can overflow (x ~ 1e25) or underflow to zero
+    (x ~ 1e-25, an error still far from zero); the SQNR is that of NumPy in float64."""
+    x = np.random.default_rng(3).standard_normal((16, 32)).astype(np.float32)
+    x = (x / np.abs(x).max() * np.float32(magnitude)).astype(np.float32)
+    assert np.isfinite(x).all()
+    qt = jq.quantize(jnp.asarray(x), dtype=jnp.int8, axis=1)
+    x_hat = np.asarray(qt.qvalue, np.float64) * np.asarray(qt.scale, np.float64)[None, :]
+    (row,) = quantization_report({"w": x}, {"w": qt})
+    sqnr, worst = _numpy_stats(x, x_hat)
+    assert 35 < sqnr < 50
+    assert row.sqnr_db == pytest.approx(sqnr, abs=1e-3)
+    assert row.max_abs_error == pytest.approx(worst, rel=1e-5)

@@ -81,8 +81,6 @@ def test_spec_is_frozen_hashable_and_validated():
         jq.QuantSpec(packed=True)
     with pytest.raises(ValueError, match="block_size requires axis"):
         jq.QuantSpec(axis=None, block_size=4)
-    with pytest.raises(TypeError):
-        jq.QuantSpec(jnp.int8)  # keyword-only
     with pytest.raises(TypeError, match=r"rules\[0\] must be a \(pattern: str, QuantSpec \| None\) pair"):
         jq.quantize_tree(_params(), [("kernel", "int8")])
 
@@ -128,3 +126,14 @@ def test_packed_array_leaf_is_matched_and_kept_under_its_own_path():
     q = jq.quantize_tree(tree, [("", jq.QuantSpec())])
     assert q["p"] is packed and q["f"] is packed_f4 and jq.is_qtensor(q["w"])
     assert jq.quantize_tree(tree)["f"] is packed_f4
+
+
+def test_spec_takes_the_contract_fields_positionally():
+    """API.md's signature QuantSpec(dtype=jnp.int8, axis=-1, block_size=None, symmetric=True, ...)
+    has no keyword-only marker: the fields may be given by position, in that order."""
+    spec = jq.QuantSpec(jnp.int4, 0, 4, False)
+    assert spec == jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=4, symmetric=False)
+    x = np.arange(-8.0, 8.0, dtype=np.float32).reshape(8, 2)
+    qt = spec(jnp.asarray(x))
+    assert (qt.axis, qt.block_size, qt.zero_point is not None) == (0, 4, True)
+    assert jq.QuantSpec() == jq.QuantSpec(jnp.int8, -1, None, True)
