@@ -122,9 +122,12 @@ def parse_spec(text: str) -> QuantSpec | None:
 
 def _int(value: str, opt: str, text: str) -> int:
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise ValueError(f"{opt!r} in {text!r} needs an integer, got {value!r}.") from None
+    if abs(number) >= 2**31:
+        raise ValueError(f"{opt!r} in {text!r}: {number} is out of range (|n| < 2**31).")
+    return number
 
 
 def parse_rule(text: str) -> tuple[str, QuantSpec | None]:
@@ -216,9 +219,15 @@ def _quantize(args) -> int:
         raise _Fail(f"OUT {args.output!r} is the input file IN {args.input!r}: quantize would "
                     f"overwrite it; give OUT another path.", _USAGE_ERROR)
     tree = _load(args.input)
-    for rule in unused_rules(tree, rules) if rules else []:
+    unused = unused_rules(tree, rules) if rules else []
+    for rule in unused:
         print(f"jaxquant: warning: rule {rule[0]!r} matches no tensor", file=sys.stderr)
     specs = match_rules(tree, rules)
+    taken = {id(spec) for spec in specs.values()}
+    for rule in rules or []:
+        if rule[1] is not None and rule not in unused and id(rule[1]) not in taken:
+            print(f"jaxquant: warning: rule {rule[0]!r} matches only tensors that are not "
+                  f"float (kept as they are)", file=sys.stderr)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)
     out = []
     with progress_bar(total=sum(s is not None for s in specs.values()), enabled=not args.quiet,

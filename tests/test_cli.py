@@ -329,3 +329,27 @@ def test_quantize_subprocess_with_progress_bar(tmp_path):
     assert bad.returncode == 1
     assert bad.stderr.strip().splitlines() == [
         f"jaxquant report: error: {tmp_path / 'missing.safetensors'}: no such file"]
+
+
+def test_rules_that_quantize_nothing_are_warned_about(tmp_path, capsys):
+    safetensors_numpy = pytest.importorskip("safetensors.numpy")
+    src, dst = str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")
+    safetensors_numpy.save_file({"ids": np.arange(8, dtype=np.int32).reshape(2, 4),
+                                 "w": np.ones((4, 4), np.float32)}, src)
+    assert _cli.main(["quantize", src, dst, "--quiet", "--rules", "ids=int8", "wq=int8",
+                      "w=int8"]) == 0
+    _, err = capsys.readouterr()
+    assert err.splitlines() == [
+        "jaxquant: warning: rule 'wq' matches no tensor",
+        "jaxquant: warning: rule 'ids' matches only tensors that are not float (kept as they are)"]
+    assert jq.is_qtensor(jq.load_safetensors(dst)["w"])
+
+
+def test_out_of_range_numbers_in_rules_are_usage_errors(tmp_path, capsys):
+    _write_plain(tmp_path / "in.safetensors")
+    args = ["quantize", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors"),
+            "--quiet", "--rules", "weight=int8:block=99999999999999999999"]
+    assert _cli.main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1
+    assert "99999999999999999999 is out of range" in err
