@@ -69,7 +69,13 @@ from jaxquant._quantize import (
     computed_scale,
     scale_values_of,
 )
-from jaxquant._rounding import quotient, round_to_codes, scale_factors, stochastic_int
+from jaxquant._rounding import (
+    positive_zero,
+    quotient,
+    round_to_codes,
+    scale_factors,
+    stochastic_int,
+)
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import resolve
 
@@ -174,7 +180,9 @@ def fake_quant(
             zero_point = jax.lax.stop_gradient(zero_point)
         zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
     float_zp = given_zero_point and not fmt.is_integer and fmt.bits < 8
-    config = _Config(fmt, layout, bool(saturate), bool(lsq_grad_scale), float_zp)
+    # float4 has no inf or NaN: it clips whatever `saturate` says, and so does the STE
+    config = _Config(fmt, layout, bool(saturate) or fmt.always_saturates, bool(lsq_grad_scale),
+                     float_zp)
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
     if (computed and symmetric and fmt.is_integer and fmt.signed and zero_point is None
             and noise is None and options.plain):
@@ -192,9 +200,8 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, s
     if not fmt.is_integer:
-        # ONNX adds a float4 zero point (all zeros), which turns -0.0 into +0.0; XLA
-        # deletes a ``+ 0.0``, so the selection does it
-        t_codes = jnp.where(t == 0, 0.0, t) if config.float_zero_point else t
+        # ONNX adds a float4 zero point (all zeros), which turns -0.0 into +0.0
+        t_codes = positive_zero(t) if config.float_zero_point else t
         q = round_to_codes(t_codes, None, fmt, config.saturate, noise=noise).astype(jnp.float32)
         return t, q, None, s
     zp = None
@@ -214,7 +221,7 @@ def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
     finite value: below the midpoint to the next binade step, or on it when the
     tie goes to the largest value (an even last mantissa bit: float8_e4m3fn's
     448; float8_e5m2's 57344 and float4's 6 round up). Without saturation
-    nothing is clipped.
+    (float8 only: float4 always saturates) nothing is clipped.
     """
     if fmt.is_integer or fmt.is_codebook:
         return (raw >= fmt.qmin) & (raw <= fmt.qmax)

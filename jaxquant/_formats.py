@@ -83,6 +83,17 @@ class Format:
         """True when negative codes exist."""
         return self.qmin < 0
 
+    @property
+    def always_saturates(self) -> bool:
+        """True when values beyond the range always clip to it, whatever ``saturate`` says.
+
+        Integer and codebook codes, and float formats with neither inf nor NaN
+        (float4_e2m1fn), whose cast saturates: ONNX ignores ``saturate`` for them.
+        """
+        if self.kind != "float":
+            return True
+        return bool(np.isfinite(np.float32(np.inf).astype(self.dtype).astype(np.float32)))
+
     def __repr__(self) -> str:  # name first: the dtype object prints badly
         q = (int(self.qmin), int(self.qmax)) if self.is_integer else (self.qmin, self.qmax)
         return (

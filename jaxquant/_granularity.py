@@ -61,10 +61,16 @@ class Layout:
         return tuple(s)
 
 
+def _is_int(v) -> bool:
+    """Whether ``v`` is a Python or NumPy integer (not a bool), as JAX accepts for axes."""
+    return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
+
+
 def normalize_axis(axis: int, ndim: int, argname: str = "axis") -> int:
-    """Returns ``axis`` as a non-negative int, or raises a ValueError naming it."""
-    if isinstance(axis, bool) or not isinstance(axis, int):
+    """Returns ``axis`` as a non-negative Python int, or raises a ValueError naming it."""
+    if not _is_int(axis):
         raise TypeError(f"{argname} must be an int or None, got {axis!r}.")
+    axis = int(axis)
     if not -ndim <= axis < ndim:
         raise ValueError(
             f"{argname} must be in [{-ndim}, {ndim}) for an input of rank {ndim}, got {axis}."
@@ -72,11 +78,13 @@ def normalize_axis(axis: int, ndim: int, argname: str = "axis") -> int:
     return axis % ndim
 
 
-def _check_block_size(block_size) -> None:
-    if isinstance(block_size, bool) or not isinstance(block_size, int):
+def _check_block_size(block_size) -> int:
+    """``block_size`` as a Python int, or a TypeError/ValueError unless it is a positive int."""
+    if not _is_int(block_size):
         raise TypeError(f"block_size must be a positive int or None, got {block_size!r}.")
     if block_size <= 0:
         raise ValueError(f"block_size must be a positive integer, got {block_size}.")
+    return int(block_size)
 
 
 def _tile_layout(shape: tuple[int, ...], axis, block_size: tuple) -> Layout:
@@ -86,9 +94,7 @@ def _tile_layout(shape: tuple[int, ...], axis, block_size: tuple) -> Layout:
     if len(block_size) != len(shape):
         raise ValueError(f"block_size must have one tile length per axis of the input, "
                          f"{len(shape)} for shape {tuple(shape)}; got {block_size!r}.")
-    for b in block_size:
-        _check_block_size(b)
-    return Layout("tile", None, tuple(int(b) for b in block_size))
+    return Layout("tile", None, tuple(_check_block_size(b) for b in block_size))
 
 
 def layout_from_args(shape: tuple[int, ...], axis: int | None,
@@ -102,7 +108,7 @@ def layout_from_args(shape: tuple[int, ...], axis: int | None,
     if isinstance(block_size, tuple | list):
         return _tile_layout(shape, axis, tuple(block_size))
     if block_size is not None:
-        _check_block_size(block_size)
+        block_size = _check_block_size(block_size)
         if axis is None:
             raise ValueError("block_size requires axis: the axis that is split into blocks.")
         return Layout("block", normalize_axis(axis, len(shape)), block_size)
@@ -123,12 +129,15 @@ def layout_from_scale(
     Args:
       shape: the shape of ``x``.
       scale_shape: the shape of the given scale (or zero point).
-      axis: the ``axis`` argument (may be negative; ignored for per-tensor).
-      block_size: the ``block_size`` argument (``None`` or ``0``: not blocked).
+      axis: the ``axis`` argument (may be negative; ignored, even out of range,
+        for a one-element scale).
+      block_size: the ``block_size`` argument (``None``: not blocked).
       argname: the argument to cite in error messages.
 
     Raises:
-      ValueError: if the scale's shape fits no layout, naming the expected shape.
+      ValueError: if the scale's shape fits no layout, naming the expected shape, or
+        ``block_size <= 0``.
+      TypeError: if ``block_size`` is not an int, a tuple or ``None``.
     """
     if isinstance(block_size, tuple | list):
         layout = _tile_layout(shape, axis, tuple(block_size))
@@ -138,11 +147,12 @@ def layout_from_scale(
                 f"{argname} must have shape {expected} for tiles {tuple(block_size)} of an input "
                 f"of shape {tuple(shape)}; got {tuple(scale_shape)}.")
         return layout
-    if block_size:
+    if block_size is not None:
+        block_size = _check_block_size(block_size)
+        if math.prod(scale_shape) == 1 and not _fits_blocks(shape, scale_shape, axis, block_size):
+            return Layout("tensor")  # one element is per-tensor whatever axis says, as in ONNX
         layout = layout_from_args(shape, axis, block_size)
         expected = layout.scale_shape(shape)
-        if tuple(scale_shape) != expected and math.prod(scale_shape) == 1:
-            return Layout("tensor")  # one element is per-tensor, as in ONNX
         if tuple(scale_shape) != expected:
             raise ValueError(
                 f"{argname} must have shape {expected} for blocked quantization of an input "
@@ -150,8 +160,6 @@ def layout_from_scale(
                 f"got {tuple(scale_shape)}."
             )
         return layout
-    if block_size is not None:
-        _check_block_size(block_size)
     if math.prod(scale_shape) == 1:
         return Layout("tensor")
     if len(scale_shape) != 1:
@@ -170,6 +178,14 @@ def layout_from_scale(
             f"axis {axis} of an input of shape {tuple(shape)}; got {tuple(scale_shape)}."
         )
     return Layout("axis", a)
+
+
+def _fits_blocks(shape, scale_shape, axis, block_size: int) -> bool:
+    """Whether ``scale_shape`` is the blocked scale shape for a valid ``axis``."""
+    if not (_is_int(axis) and -len(shape) <= axis < len(shape)):
+        return False
+    layout = Layout("block", int(axis) % len(shape), block_size)
+    return tuple(scale_shape) == layout.scale_shape(shape)
 
 
 def squeeze_tensor_scale(scale, layout: Layout):

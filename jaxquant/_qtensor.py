@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxquant._formats import Format, get_format
+from jaxquant._formats import FORMATS, Format, get_format
 from jaxquant._granularity import Layout, expand, layout_from_scale, squeeze_tensor_scale
 from jaxquant._packing import PackedArray
 
@@ -49,9 +49,10 @@ def check_zero_point(zero_point, fmt: Format) -> None:
       ValueError: on a concrete non-zero zero point of a float format.
     """
     if np.dtype(zero_point.dtype) != fmt.dtype:
+        hint = (f"; pass dtype=jnp.{zero_point.dtype} to quantize to that format"
+                if np.dtype(zero_point.dtype).name in FORMATS else "")
         raise TypeError(
-            f"zero_point must have the code dtype {fmt.name}, got {zero_point.dtype}; "
-            f"pass dtype=jnp.{zero_point.dtype} to quantize to that format."
+            f"zero_point must have the code dtype {fmt.name}, got {zero_point.dtype}{hint}."
         )
     if fmt.is_integer:
         return

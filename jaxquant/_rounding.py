@@ -75,7 +75,7 @@ from jaxquant._wide_division import wide_divide
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
            "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "stochastic_int", "quotient",
-           "scale_factors"]
+           "scale_factors", "positive_zero"]
 
 _INT32_LO, _INT32_HI = -2147483648.0, 2147483520.0  # float32 values that fit in int32
 _F32, _I32, _U32 = jnp.float32, jnp.int32, jnp.uint32
@@ -266,6 +266,21 @@ def stochastic_float(t: jax.Array, fmt: Format, noise: jax.Array) -> jax.Array:
     return jnp.copysign(r, t)
 
 
+def positive_zero(t: jax.Array) -> jax.Array:
+    """Float32 ``t`` with -0.0 replaced by +0.0: ``t + 0.0``, as ONNX adds a float4 zero point.
+
+    A test of the bits: XLA deletes an addition of a zero it knows when the
+    program is compiled (a constant zero point), and under flushing of
+    subnormals a comparison ``t == 0`` would also hold for subnormal ``t``,
+    whose sum with 0.0 keeps its sign.
+
+    Example:
+      >>> positive_zero(jnp.array([-0.0, -1e-3, 0.0]))
+      Array([ 0.   , -0.001,  0.   ], dtype=float32)
+    """
+    return jnp.where(bits(t) == _I32(-(2**31)), _F32(0), t)
+
+
 def round_to_codes(
     t: jax.Array,
     zero_point: jax.Array | None,
@@ -279,15 +294,15 @@ def round_to_codes(
     Integer formats: ``clip(rint(t) + zero_point, qmin, qmax)`` with
     round-half-to-even and saturation at every magnitude (also beyond int32).
     Float formats: a round-to-nearest-even cast, clipped to the largest finite
-    value first when ``saturate`` (NaN stays NaN, with ``t``'s sign and
-    ml_dtypes' bit pattern: see `signed_nan_codes`). Codebook formats: the
-    nearest table entry (`jaxquant._codebooks.encode`).
+    value first when ``saturate`` or the format has no inf or NaN (NaN stays
+    NaN, with ``t``'s sign and ml_dtypes' bit pattern: see `signed_nan_codes`).
+    Codebook formats: the nearest table entry (`jaxquant._codebooks.encode`).
 
     Args:
       t: float32 quotients ``x / scale``.
       zero_point: ``None`` or an array broadcastable to ``t`` holding zero points.
       fmt: the target format.
-      saturate: float formats only; integer formats always saturate.
+      saturate: float formats only; integer formats and float4 always saturate.
       wide: return integer codes of fewer than 8 bits as int8 (same values;
         codebook codes as uint8), skipping the slow sub-byte conversion when
         they are packed next.
@@ -307,7 +322,8 @@ def round_to_codes(
         if zero_point is not None and fmt.bits < 8:
             # All zeros (checked by the caller). ONNX adds it for float4 only; adding it
             # for float8 would turn -0.0 into +0.0.
-            t = t + zero_point.astype(jnp.float32)
+            t = positive_zero(t)
+        saturate = saturate or fmt.always_saturates
         codes = (jnp.clip(t, -fmt.max_finite, fmt.max_finite) if saturate else t).astype(fmt.dtype)
         codes = keep_rounding(codes)
         if fmt.name not in NAN_CODES:

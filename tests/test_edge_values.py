@@ -14,6 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from onnx import TensorProto
 from test_onnx_reference import assert_same_bits, np_dtype, onnx_run
 
 import jaxquant as jq
@@ -173,3 +174,56 @@ def test_float4_zero_point_makes_negative_zero_positive_as_onnx():
     want = onnx_run("QuantizeLinear", {"x": x, "s": np.float32(1.0), "z": zp})
     got = jq.quantize(jnp.asarray(x), jnp.float32(1.0), jnp.asarray(zp), dtype=jnp.float4_e2m1fn)
     assert_same_bits(got.qvalue, want, "codes", nbits=4)
+
+
+def test_float4_zero_point_under_jit_as_onnx():
+    """A zero point known when the program is compiled (a closure constant) still turns
+    -0.0 into +0.0: XLA may delete an addition of a constant 0.0."""
+    x = np.float32([-0.1, -0.0, 0.0, 0.3, -2.0])
+    zp = np.zeros((), ml_dtypes.float4_e2m1fn)
+    want = onnx_run("QuantizeLinear", {"x": x, "s": np.float32(1.0), "z": zp})
+    values = onnx_run("DequantizeLinear", {"q": want, "s": np.float32(1.0), "z": zp})
+    for s in (np.float32(1.0), jnp.float32(1.0)):  # constant-folded and not
+        codes = jax.jit(lambda v, s=s: jq.quantize(v, s, zp, dtype=jnp.float4_e2m1fn).qvalue)
+        assert_same_bits(codes(jnp.asarray(x)), want, "jitted codes", nbits=4)
+        fake = jax.jit(lambda v, s=s: jq.fake_quant(v, s, zp, dtype=jnp.float4_e2m1fn))
+        assert_same_bits(fake(jnp.asarray(x)), values, "jitted fake_quant")
+
+
+def test_float4_saturates_without_saturate_and_the_ste_clips_there():
+    """ONNX ignores ``saturate`` for float4 (it has no inf or NaN): values beyond 6
+    clip either way, so the clipped STE must stop their gradient either way, and the
+    LSQ scale gradient takes the range end (+-6) there."""
+    x = np.float32([1.0, 5.0, 6.9, 7.0, 100.0, -100.0, -6.5, -7.0, np.inf])
+    s = np.float32(1.0)
+    codes = onnx_run("QuantizeLinear", {"x": x, "s": s}, output_dtype=TensorProto.FLOAT4E2M1,
+                     saturate=0)
+    want = onnx_run("DequantizeLinear", {"q": codes, "s": s})
+    inside = np.abs(x) < 7.0  # 7 ties to 8 (even mantissa), beyond the largest value 6
+    fq = lambda v, s: jq.fake_quant(v, s, dtype=jnp.float4_e2m1fn, saturate=False)
+    assert_same_bits(fq(jnp.asarray(x), jnp.float32(s)), want, "values")
+    gx, gs = jax.grad(lambda v, s: fq(v, s).sum(), argnums=(0, 1))(jnp.asarray(x), jnp.float32(s))
+    np.testing.assert_array_equal(np.asarray(gx), inside.astype(np.float32))
+    lsq = np.where(inside, (want - x) / s, np.sign(x) * 6.0)  # LSQ, as the contract states
+    np.testing.assert_allclose(float(gs), lsq.sum(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("axis", [None, 1, -3, 5])
+def test_one_element_scale_with_block_size_ignores_axis_as_onnx(axis):
+    """API.md: a one-element scale is per-tensor and ``axis`` is then ignored; ONNX reads
+    it so whatever ``block_size`` and ``axis`` say (here, ONNX's default axis=1 on a 1-D
+    input)."""
+    x = np.float32([0.1, -0.5, 0.25, 2.0, 1.0])
+    scale, zp = np.float32(0.25), np.int8(3)
+    want = onnx_run("QuantizeLinear", {"x": x, "s": scale, "z": zp}, axis=1, block_size=2)
+    qt = jq.quantize(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zp), axis=axis,
+                     block_size=2)
+    assert qt.layout.kind == "tensor"
+    assert_same_bits(qt.qvalue, want, "codes")
+    values = jq.QTensor(jnp.asarray(want), jnp.asarray(scale), jnp.asarray(zp), axis=axis,
+                        block_size=2).dequantize()
+    ref = onnx_run("DequantizeLinear", {"q": want, "s": scale, "z": zp}, axis=1, block_size=2)
+    assert_same_bits(values, ref, "values")
+    fake = jq.fake_quant(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zp), axis=axis,
+                         block_size=2)
+    assert_same_bits(fake, ref, "fake_quant")

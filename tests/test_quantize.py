@@ -290,3 +290,26 @@ def test_error_dequantize_non_qtensor_and_bad_dtype():
 def test_errors_raise_at_trace_time_under_jit():
     with pytest.raises(ValueError, match="axis must be in"):
         jax.jit(lambda x: jq.quantize(x, axis=5).qvalue)(_x())
+
+
+def test_numpy_integer_axis_and_block_size_are_accepted_as_jax_does():
+    """``axis=np.int64(1)`` (from shape arithmetic, or an ONNX attribute read with
+    NumPy) means ``axis=1``, as in ``jnp.sum``; the static metadata holds Python ints."""
+    x = _x()
+    s = jnp.asarray(np.random.default_rng(2).uniform(0.01, 0.1, 13).astype(np.float32))
+    qt = jq.quantize(x, s, axis=np.int64(-1))
+    np.testing.assert_array_equal(qt.qvalue, jq.quantize(x, s, axis=-1).qvalue)
+    assert type(qt.axis) is int and qt.axis == 1
+    blocked = jq.quantize(x, axis=np.int32(1), block_size=np.int64(5))
+    assert type(blocked.axis) is int and type(blocked.block_size) is int
+    np.testing.assert_array_equal(blocked.qvalue, jq.quantize(x, axis=1, block_size=5).qvalue)
+    assert jq.QTensor(qt.qvalue, s, axis=np.int8(1)).axis == 1
+    with pytest.raises(TypeError, match="axis must be an int or None, got True"):
+        jq.quantize(x, axis=True)
+    with pytest.raises(TypeError, match="block_size must be a positive int or None, got 2.0"):
+        jq.quantize(x, axis=0, block_size=2.0)
+
+
+def test_error_float_zero_point_names_no_format_that_does_not_exist():
+    with pytest.raises(TypeError, match=r"zero_point must have the code dtype int8, got float32\.$"):
+        jq.quantize(_x(), jnp.float32(0.1), jnp.float32(0))
