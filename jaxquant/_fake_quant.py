@@ -65,6 +65,7 @@ from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
 from jaxquant._quantize import (
     _check_key,
     as_float_input,
+    check_flags,
     check_scale_arguments,
     computed_scale,
     scale_values_of,
@@ -148,6 +149,8 @@ def fake_quant(
       >>> jax.grad(lambda x: fake_quant(x, jnp.float32(0.5), dtype=jnp.int4).sum())(x)
       Array([1., 1., 0.], dtype=float32)
     """
+    check_flags(symmetric=symmetric, saturate=saturate, lsq_grad_scale=lsq_grad_scale,
+                double_quant=double_quant)
     r = resolve(dtype, axis, block_size, scale_dtype, explicit=scale is not None)
     fmt, axis, block_size = r.fmt, r.axis, r.block_size
     x = as_float_input(x)

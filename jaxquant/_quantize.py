@@ -158,6 +158,7 @@ def quantize(
       >>> quantize(jnp.ones((4, 64)), dtype="mxfp4").bits_per_element
       4.25
     """
+    check_flags(symmetric=symmetric, saturate=saturate, packed=packed, double_quant=double_quant)
     r = resolve(dtype, axis, block_size, scale_dtype, explicit=scale is not None)
     fmt, axis, block_size = r.fmt, r.axis, r.block_size
     x = as_float_input(x)
@@ -197,6 +198,14 @@ def check_scale_arguments(fmt: Format, scale, zero_point, scale_dtype, double_qu
     if scale is not None and (scale_dtype is not None or double_quant):
         raise ValueError("scale_dtype and double_quant apply to computed scales; an explicit "
                          "scale is stored as given.")
+
+
+def check_flags(**flags) -> None:
+    """A TypeError naming the first flag that is not a bool (``"no"`` would read as True)."""
+    for name, value in flags.items():
+        if not isinstance(value, bool | np.bool_):
+            raise TypeError(f"{name} must be a bool (True or False), got {value!r} "
+                            f"({type(value).__name__}).")
 
 
 def _check_key(key):

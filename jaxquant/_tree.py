@@ -22,7 +22,7 @@ from jaxquant._formats import CODEBOOKS, get_format
 from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
 from jaxquant._qtensor import QTensor, is_qtensor
-from jaxquant._quantize import dequantize, quantize
+from jaxquant._quantize import check_flags, dequantize, quantize
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import SCHEMES, resolve
 
@@ -79,6 +79,8 @@ class QuantSpec:
     double_quant: bool = False
 
     def __post_init__(self):
+        check_flags(symmetric=self.symmetric, saturate=self.saturate, packed=self.packed,
+                    double_quant=self.double_quant)
         named = isinstance(self.dtype, str) and (self.dtype in SCHEMES or self.dtype in CODEBOOKS)
         if not named:
             object.__setattr__(self, "dtype", get_format(self.dtype).dtype)

@@ -313,3 +313,16 @@ def test_numpy_integer_axis_and_block_size_are_accepted_as_jax_does():
 def test_error_float_zero_point_names_no_format_that_does_not_exist():
     with pytest.raises(TypeError, match=r"zero_point must have the code dtype int8, got float32\.$"):
         jq.quantize(_x(), jnp.float32(0.1), jnp.float32(0))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: jq.quantize(jnp.ones(4), symmetric="no"),
+    lambda: jq.quantize(jnp.ones((2, 4)), dtype=jnp.int4, axis=0, packed=1),
+    lambda: jq.fake_quant(jnp.ones(4), lsq_grad_scale="yes"),
+    lambda: jq.fake_quant(jnp.ones(4), saturate=None),
+    lambda: jq.QuantSpec(symmetric="False"),
+], ids=["quantize-symmetric", "quantize-packed", "fake-lsq", "fake-saturate", "spec"])
+def test_flags_that_are_not_bools_are_type_errors(call):
+    # a string such as "no" would otherwise read as True
+    with pytest.raises(TypeError, match=r"must be a bool \(True or False\), got"):
+        call()
