@@ -85,7 +85,11 @@ def quantize(
     formats: ``q = cast(x / scale)`` rounding to nearest even; ``saturate``
     clips to the largest finite value first (NaN stays NaN). Codebook formats
     (``"nf4"``, ``"fp4"``, ``"float6_e2m3fn"``, ``"float6_e3m2fn"``): the index
-    of the nearest table entry (`jaxquant.CODEBOOKS`).
+    of the nearest table entry (`jaxquant.CODEBOOKS`). A NaN has no integer or
+    codebook code: with an explicit scale it gets the zero point's code (the
+    references differ: ONNX gives ``qmin``, PyTorch ``qmin`` or ``qmax``); a
+    computed scale of a group holding a NaN is NaN (as PyTorch's observers; the
+    NaN scale ``0xFF`` for ``float8_e8m0fnu``), so the group dequantizes to NaN.
 
     Explicit mode (``scale`` given): the layout of ``scale`` picks the
     granularity: one element (per-tensor), 1-D of length ``x.shape[axis]``

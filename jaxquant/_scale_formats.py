@@ -125,8 +125,10 @@ def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
             over = (t > limit) | ((t == limit) & tie_up) if half else t > limit
         e = e + over.astype(jnp.int32)
     e = jnp.where(amax > 0, jnp.clip(e, -126, 127), 0)  # all-zero groups: scale 1
-    stored = jax.lax.bitcast_convert_type((e + 127).astype(jnp.uint8), jnp.float8_e8m0fnu)
-    return stored, pow2(e)
+    nan = jnp.isnan(amax)  # a block holding a NaN: the NaN scale 0xFF, as OCP MX
+    bits = jnp.where(nan, jnp.uint8(255), (e + 127).astype(jnp.uint8))
+    stored = jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
+    return stored, jnp.where(nan, jnp.float32(jnp.nan), pow2(e))
 
 
 def _tiles_of(shape: tuple[int, ...], group: int) -> tuple[int, ...]:

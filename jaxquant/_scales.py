@@ -29,7 +29,9 @@ __all__ = ["compute_scale", "scale_from_range"]
 
 
 def _safe(scale: jax.Array) -> jax.Array:
-    return jnp.where(scale > 0, jnp.maximum(scale, SMALLEST_NORMAL), jnp.float32(1))
+    """Scales of at least the smallest normal; all-zero groups 1, NaN groups NaN."""
+    fallback = jnp.where(jnp.isnan(scale), scale, jnp.float32(1))
+    return jnp.where(scale > 0, jnp.maximum(scale, SMALLEST_NORMAL), fallback)
 
 
 def scale_from_range(

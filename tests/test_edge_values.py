@@ -227,3 +227,45 @@ def test_one_element_scale_with_block_size_ignores_axis_as_onnx(axis):
     fake = jq.fake_quant(jnp.asarray(x), jnp.asarray(scale), jnp.asarray(zp), axis=axis,
                          block_size=2)
     assert_same_bits(fake, ref, "fake_quant")
+
+
+@pytest.mark.parametrize("kw", [
+    {}, {"axis": 0}, {"axis": 1, "block_size": 2}, {"dtype": jnp.uint8, "axis": 0, "symmetric": False},
+    {"dtype": jnp.float8_e4m3fn, "axis": 0}, {"dtype": "nf4", "axis": 1, "block_size": 2},
+], ids=["tensor", "axis", "block", "asym", "float8", "nf4"])
+def test_a_group_holding_a_nan_gets_a_nan_scale_as_torch_observers(kw):
+    """PyTorch's min/max observers give a NaN scale to a group holding a NaN (and
+    OCP MX a NaN shared scale), so that the group dequantizes to NaN; a scale of 1
+    would quantize the group's other values silently wrong."""
+    from torch.ao.quantization.observer import MinMaxObserver, PerChannelMinMaxObserver
+
+    x = np.float32([[1.0, np.nan, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]])
+    qt = jq.quantize(jnp.asarray(x), **kw)
+    if kw.get("axis") == 0:
+        obs = PerChannelMinMaxObserver(ch_axis=0, dtype=torch.qint8,
+                                       qscheme=torch.per_channel_symmetric)
+    else:
+        obs = MinMaxObserver(dtype=torch.qint8, qscheme=torch.per_tensor_symmetric)
+    obs(torch.from_numpy(x))
+    torch_nan = np.isnan(obs.calculate_qparams()[0].numpy())
+    scale_nan = np.isnan(np.asarray(qt.scale, np.float32))
+    if "block_size" in kw:  # the first block of row 0 holds the NaN
+        assert scale_nan.tolist() == [[True, False], [False, False]]
+    else:
+        assert scale_nan.ravel().tolist() == torch_nan.tolist()
+    want = np.zeros(x.shape, bool)  # the NaN's group dequantizes to NaN, the others do not
+    want[:1 if kw else 2, :2 if "block_size" in kw else 4] = True
+    np.testing.assert_array_equal(np.isnan(np.asarray(qt.dequantize())), want)
+
+
+@pytest.mark.parametrize("scheme", ["mxfp8_e4m3", "mxfp4", "mxint8"])
+def test_an_mx_block_holding_a_nan_gets_the_nan_scale(scheme):
+    x = jnp.ones((2, 64)).at[0, 3].set(jnp.nan)
+    qt = jq.quantize(x, dtype=scheme)
+    stored = np.asarray(qt.scale).view(np.uint8)
+    clean = np.asarray(jq.quantize(jnp.ones((2, 64)), dtype=scheme).scale).view(np.uint8)
+    assert stored[0, 0] == 255 and clean[0, 0] != 255  # OCP MX: 0xFF is the NaN scale
+    np.testing.assert_array_equal(stored.ravel()[1:], clean.ravel()[1:])
+    deq = np.asarray(qt.dequantize())
+    assert np.isnan(deq[0, :32]).all() and np.isfinite(deq[0, 32:]).all()
+    assert np.isnan(np.asarray(jq.fake_quant(x, dtype=scheme))[0, :32]).all()
