@@ -24,6 +24,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxquant._dot import ActQuant, qdot_general
+from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._einsum import qeinsum
 from jaxquant._fake_quant import fake_quant
 from jaxquant._packing import unpack
@@ -34,15 +35,16 @@ from jaxquant._tree import QuantSpec
 from jaxquant.flax._rules import ActSpec
 
 __all__ = ["QATPromote", "QATDot", "QATEinsum", "InferDot", "InferEinsum", "InferConv",
-           "embed_take", "einsum_contract", "explicit_einsum", "fake_quant_act",
-           "fake_quant_weight", "init_qparams", "learned_qtensor"]
+           "DequantPromote", "embed_take", "einsum_contract", "explicit_einsum", "fake_quant_act",
+           "fake_quant_weight", "init_qparams", "learned_qtensor", "promoted_kernel"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def _explicit_kwargs(spec: QuantSpec) -> dict:
-    return dict(dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
-                saturate=spec.saturate)
+    tiles = isinstance(spec.block_size, tuple)  # a tile along every axis: no axis
+    return dict(dtype=spec.dtype, axis=None if tiles else spec.axis,
+                block_size=spec.block_size, saturate=spec.saturate)
 
 
 def fake_quant_weight(w: jax.Array, spec: QuantSpec, scale: jax.Array | None = None,
@@ -94,8 +96,12 @@ def fake_quant_act(x: jax.Array, act: ActSpec, contract: tuple[int, ...] | None)
     red = sorted({d % x.ndim for d in contract})
     keep = [d for d in range(x.ndim) if d not in red]
     xt = jnp.transpose(x, keep + red)
-    rows = math.prod(xt.shape[:len(keep)])
-    y = fake_quant(xt.reshape(rows, -1), dtype=act.dtype, axis=0).reshape(xt.shape)
+    rows = xt.reshape(math.prod(xt.shape[:len(keep)]), -1)
+    if isinstance(act.dtype, str):  # a codebook: blocked along its axis, one block per row
+        y = fake_quant(rows, dtype=act.dtype, axis=1, block_size=max(rows.shape[1], 1))
+    else:
+        y = fake_quant(rows, dtype=act.dtype, axis=0)
+    y = y.reshape(xt.shape)
     inverse = [0] * x.ndim
     for i, d in enumerate(keep + red):
         inverse[d] = i
@@ -199,10 +205,18 @@ def _kwargs(out_sharding, preferred_element_type):
 
 @dataclasses.dataclass(frozen=True)
 class QATDot:
-    """``dot_general`` for training through ``qat_dot_general`` (int8 forward, STE backward)."""
+    """``dot_general`` for training through ``qat_dot_general`` (int8 forward, STE backward).
+
+    Attributes:
+      weight: the kernel's spec (symmetric int8).
+      act: the input's `ActSpec`, or ``None``.
+      replaced: the layer's own ``(dot_general, dot_general_cls)``, not called;
+        kept to undo the replacement.
+    """
 
     weight: QuantSpec
     act: ActSpec | None
+    replaced: tuple = (None, None)
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
@@ -211,6 +225,28 @@ class QATDot:
         act = None if self.act is None else self.act.act_quant()
         return qat_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                weight=self.weight, act=act, out_sharding=out_sharding)
+
+
+def promoted_kernel(qt, dtype):
+    """What Flax's ``promote_dtype`` makes of the trained kernel, for a weight-only op.
+
+    The fake-quantized kernel of training has the kernel's dtype (``qt.dtype``)
+    and is then cast to the compute ``dtype``. Dequantizing straight to
+    ``dtype`` (computed in float32) skips that rounding when ``qt.dtype`` is
+    neither float32 nor ``dtype`` (bfloat16 params, float32 compute), so such a
+    kernel is dequantized to ``qt.dtype`` and cast here.
+
+    Args:
+      qt: a `QTensor` (or an array, returned as it is).
+      dtype: the dtype the layer computes in.
+
+    Returns:
+      ``qt`` itself where dequantizing to ``dtype`` inside the op gives the same
+      values, else the array ``qt.dequantize().astype(dtype)``.
+    """
+    if not is_qtensor(qt) or qt.dtype == jnp.dtype(dtype) or qt.dtype == jnp.float32:
+        return qt
+    return qt.dequantize().astype(dtype)
 
 
 def _static_lhs(x, act: ActSpec) -> QTensor:
@@ -225,6 +261,8 @@ class InferDot:
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
+        if self.act is None:
+            rhs = promoted_kernel(rhs, lhs.dtype)
         if not is_qtensor(rhs):
             return lax.dot_general(lhs, rhs, dimension_numbers, precision,
                                    **_kwargs(out_sharding, preferred_element_type))
@@ -247,6 +285,8 @@ class InferEinsum:
 
     def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None,
                  out_sharding=None, **kwargs):
+        if self.act is None:
+            rhs = promoted_kernel(rhs, lhs.dtype)
         if not is_qtensor(rhs):
             return jnp.einsum(subscripts, lhs, rhs, precision=precision, **kwargs,
                               **_kwargs(out_sharding, preferred_element_type))
@@ -282,7 +322,7 @@ class InferConv:
             return conv(lhs, rhs, **_kwargs(out_sharding, preferred_element_type))
         out = preferred_element_type or lhs.dtype
         if self.act is None:
-            return conv(lhs, rhs.dequantize(lhs.dtype)).astype(out)
+            return conv(lhs, rhs.dequantize().astype(lhs.dtype)).astype(out)
         self.act.act_quant()  # int8 only
         dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
         fmt, layout = rhs.format, rhs.layout
@@ -305,14 +345,33 @@ class InferConv:
         return y.astype(out)
 
 
+@dataclasses.dataclass(frozen=True)
+class DequantPromote:
+    """nnx ``Embed.promote_dtype`` on a QTensor table: dequantized inside the jitted step
+    (to the table's dtype, then cast as Flax casts a float table); the query of
+    ``attend`` fake-quantized per token by ``act``, as in training."""
+
+    act: ActSpec | None = None
+
+    def __call__(self, args, dtype=None, inexact=True):
+        args = tuple(a.dequantize() if is_qtensor(a) else a for a in args)
+        if self.act is not None and len(args) >= 2:
+            args = (fake_quant_act(args[0], self.act, (-1,)),) + args[1:]
+        return q_promote_dtype(args, dtype=dtype, inexact=inexact)
+
+
 def embed_take(table, idx: jax.Array, dtype=None) -> jax.Array:
-    """Rows ``idx`` of an embedding table; a `QTensor` table dequantizes only those rows."""
+    """Rows ``idx`` of an embedding table; a `QTensor` table dequantizes only those rows.
+
+    The rows are the dequantized table's (its ``dtype``), cast to ``dtype``, as
+    Flax casts a float table before the lookup.
+    """
     if not is_qtensor(table):
         return jnp.take(table, idx, axis=0)
     dtype = dtype or table.dtype
     qt, layout = unpack(table), table.layout
     if layout.kind in ("block", "tile") or qt.format.is_codebook or is_qtensor(qt.scale):
-        return jnp.take(qt.dequantize(dtype), idx, axis=0)
+        return jnp.take(qt.dequantize(), idx, axis=0).astype(dtype)
 
     def rows(v):  # scale / zero point, broadcast against the gathered rows
         if layout.kind == "tensor":
@@ -324,4 +383,4 @@ def embed_take(table, idx: jax.Array, dtype=None) -> jax.Array:
     codes = jnp.take(qt.qvalue, idx, axis=0).astype(jnp.float32)
     if qt.zero_point is not None:
         codes = codes - rows(qt.zero_point).astype(jnp.float32)
-    return (codes * rows(scale_values(qt))).astype(dtype)
+    return (codes * rows(scale_values(qt))).astype(table.dtype).astype(dtype)

@@ -14,14 +14,40 @@ import re
 from collections.abc import Sequence
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._dot import ActQuant
-from jaxquant._formats import get_format
+from jaxquant._formats import CODEBOOKS, get_format
+from jaxquant._schemes import resolve
 from jaxquant._tree import QuantSpec
 
 __all__ = ["ActSpec", "QuantConfig", "Rules", "check_rules", "select", "unused"]
+
+
+def _name(dtype) -> str:
+    return dtype if isinstance(dtype, str) else np.dtype(dtype).name
+
+
+def _static_scale(scale) -> float:
+    """``scale`` as a Python float: a real number or a concrete one-element array
+    (a calibrated scale); a TypeError for other types, a ValueError unless positive
+    and finite."""
+    number = isinstance(scale, int | float | np.integer | np.floating) \
+        and not isinstance(scale, bool | np.bool_)
+    if not number and hasattr(scale, "dtype") and hasattr(scale, "size"):
+        number = (np.size(scale) == 1 and jnp.issubdtype(scale.dtype, jnp.floating)
+                  and not isinstance(scale, jax.core.Tracer))
+    if not number:
+        raise TypeError(f"ActSpec.scale must be None, a float or a concrete one-element float "
+                        f"array, got {scale!r}.")
+    value = float(np.asarray(scale).reshape(()))
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"ActSpec.scale must be None or a positive finite float, got "
+                         f"{scale!r}.")
+    return value
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,40 +55,40 @@ class ActSpec:
     """How a layer's input activations are fake-quantized (symmetric, no zero point).
 
     Attributes:
-      dtype: the format of the codes (int8, int4, float8...).
+      dtype: the format of the codes (int8, int4, float8..., or a codebook
+        name such as ``"nf4"``).
       granularity: dynamic scales, computed on every call: ``"token"``, one
         scale per index of the input's non-contracted dimensions (per row of a
         ``Dense`` input); ``"tensor"``, one scale for the whole input.
         Convolutions use one scale per tensor; an ``Einsum`` takes its tokens
         from the equation it is called with.
       scale: a static per-tensor scale (from calibration, for example, see
-        `jaxquant.calibration`); ``None`` for dynamic scales.
+        `jaxquant.calibration`: a one-element array is taken as its float);
+        ``None`` for dynamic scales.
 
     Raises:
       ValueError: an unknown granularity or a scale that is not a positive
         finite number.
-      TypeError: an unknown format.
+      TypeError: an unknown format; a scale that is not a number (or a
+        concrete one-element float array).
 
     Example:
       >>> ActSpec(granularity="tensor")
       ActSpec(dtype=dtype('int8'), granularity='tensor', scale=None)
     """
 
-    dtype: DTypeLike = jnp.int8
+    dtype: DTypeLike | str = jnp.int8
     granularity: Literal["token", "tensor"] = "token"
     scale: float | None = None
 
     def __post_init__(self):
-        object.__setattr__(self, "dtype", get_format(self.dtype).dtype)
+        if not (isinstance(self.dtype, str) and self.dtype in CODEBOOKS):  # keep "nf4"...
+            object.__setattr__(self, "dtype", get_format(self.dtype).dtype)
         if self.granularity not in ("token", "tensor"):
             raise ValueError(f"ActSpec.granularity must be 'token' or 'tensor', got "
                              f"{self.granularity!r}.")
         if self.scale is not None:
-            ok = isinstance(self.scale, int | float) and not isinstance(self.scale, bool)
-            if not ok or not (math.isfinite(self.scale) and self.scale > 0):
-                raise ValueError(f"ActSpec.scale must be None or a positive finite float, got "
-                                 f"{self.scale!r}.")
-            object.__setattr__(self, "scale", float(self.scale))
+            object.__setattr__(self, "scale", _static_scale(self.scale))
 
     def act_quant(self) -> ActQuant:
         """The `jaxquant.ActQuant` of the int8 x int8 -> int32 inference dot.
@@ -75,7 +101,7 @@ class ActSpec:
         """
         if self.dtype != jnp.int8:
             raise ValueError(f"int8 x int8 inference needs ActSpec(dtype=jnp.int8), got "
-                             f"dtype={self.dtype.name}; use act=None (weight-only) for "
+                             f"dtype={_name(self.dtype)}; use act=None (weight-only) for "
                              f"inference or an int8 ActSpec.")
         return ActQuant(granularity=self.granularity)
 
@@ -131,6 +157,16 @@ class QuantConfig:
                                 f"{getattr(self, name)!r}.")
         if self.learn_scale and self.weight is None:
             raise ValueError("learn_scale=True needs a weight spec, got weight=None.")
+        if self.learn_scale:
+            w = self.weight
+            stored = resolve(w.dtype, w.axis, w.block_size, w.scale_dtype).scale_dtype
+            if stored is not None or w.double_quant:
+                raise ValueError(
+                    f"learn_scale=True learns float32 scales, so it needs a weight spec that "
+                    f"stores them as float32 (scale_dtype=None, double_quant=False, no MX / "
+                    f"NVFP4 scheme), got weight={w!r} (scales stored as "
+                    f"{np.dtype(stored).name if stored is not None else 'float32'}"
+                    f"{', double_quant=True' if w.double_quant else ''}).")
         if self.int8_dot:
             w, a = self.weight, self.act
             if w is None or w.dtype != jnp.int8 or not w.symmetric:

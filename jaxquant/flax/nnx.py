@@ -25,17 +25,17 @@ from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._boxes import qtensor_pspec
 from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel
 from jaxquant.flax._ops import (
+    DequantPromote,
     InferConv,
     InferDot,
     InferEinsum,
     QATDot,
     QATEinsum,
     QATPromote,
-    fake_quant_act,
     init_qparams,
     learned_qtensor,
 )
-from jaxquant.flax._rules import ActSpec, QuantConfig, Rules, check_rules, select, unused
+from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
 
 __all__ = ["LearnedScale", "QuantizedParam", "nnx_input_grams", "nnx_layers", "nnx_qat",
            "nnx_quantize", "nnx_unused_rules"]
@@ -105,20 +105,6 @@ def _keep_sharding(layer, var, extra: int) -> None:
         setattr(layer, _kernel_name(layer), QuantizedParam(var.get_raw_value(), **metadata))
 
 
-@dataclasses.dataclass(frozen=True)
-class _DequantPromote:
-    """``promote_dtype`` for an ``Embed`` on a QTensor table: dequantized in the jitted step;
-    the query of ``attend`` fake-quantized per token by ``act``, as in training."""
-
-    act: ActSpec | None = None
-
-    def __call__(self, args, dtype=None, inexact=True):
-        args = tuple(a.dequantize() if is_qtensor(a) else a for a in args)
-        if self.act is not None and len(args) >= 2:
-            args = (fake_quant_act(args[0], self.act, (-1,)),) + args[1:]
-        return q_promote_dtype(args, dtype=dtype, inexact=inexact)
-
-
 def _kernel_name(layer) -> str:
     return "embedding" if isinstance(layer, nnx.Embed) else "kernel"
 
@@ -169,11 +155,19 @@ def _stack(fn, extra: int):
     return fn
 
 
-def _inner_promote(layer):
+def _unwire(layer) -> None:
+    """Gives a layer back the ``promote_dtype`` / ``dot_general`` / ``einsum_op`` that
+    an earlier `nnx_qat` replaced (so that new rules start from the float layer)."""
     p = layer.promote_dtype
-    if isinstance(p, LearnedScale):
-        p = p.promote
-    return p.inner if isinstance(p, QATPromote) else p
+    p = p.promote if isinstance(p, LearnedScale) else p
+    if isinstance(p, QATPromote):
+        layer.promote_dtype = nnx.static(p.inner)
+    if isinstance(getattr(layer, "dot_general", None), QATDot):
+        layer.dot_general, cls = layer.dot_general.replaced
+        if isinstance(layer, nnx.LinearGeneral):
+            layer.dot_general_cls = cls
+    if isinstance(getattr(layer, "einsum_op", None), QATEinsum):
+        layer.einsum_op = layer.einsum_op.inner
 
 
 def nnx_layers(model: nnx.Module, rules: Rules) -> dict[str, QuantConfig | None]:
@@ -231,11 +225,13 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
 
     Returns:
       ``model`` itself. Parameters are untouched; ``learn_scale=True`` adds an
-      ``nnx.Param`` scale (and zero point) per layer (see `LearnedScale`).
+      ``nnx.Param`` scale (and zero point) per layer (see `LearnedScale`). A
+      second call starts from the float layers: what an earlier call injected
+      is removed first (a ``None`` rule makes a layer float again).
 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
-      ValueError: an invalid pattern.
+      ValueError: an invalid pattern; a selected layer with a QTensor kernel.
 
     Example:
       >>> import jax.numpy as jnp
@@ -248,20 +244,26 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
     for path, layer, cfg in list(_walk(model, rules)):
+        if is_qtensor(getattr(layer, _kernel_name(layer))[...]):
+            if cfg is None:
+                continue
+            raise ValueError(f"the {type(layer).__name__} at {path!r} has a QTensor "
+                             f"{_kernel_name(layer)} (from nnx_quantize); quantization-aware "
+                             f"training needs its float {_kernel_name(layer)}.")
+        _unwire(layer)
         if cfg is None or (cfg.weight is None and cfg.act is None):
             continue
         weight, act = cfg.weight, cfg.act
         if cfg.int8_dot and isinstance(layer, nnx.Linear | nnx.LinearGeneral):
-            layer.dot_general = QATDot(weight, act)
+            cls = getattr(layer, "dot_general_cls", None)
+            layer.dot_general = QATDot(weight, act, (layer.dot_general, cls))
             if isinstance(layer, nnx.LinearGeneral):
                 layer.dot_general_cls = None
             weight = act = None
         if isinstance(layer, nnx.Einsum) and act is not None:  # per token of the call's string
-            inner = layer.einsum_op
-            layer.einsum_op = QATEinsum(inner.inner if isinstance(inner, QATEinsum) else inner,
-                                        act)
+            layer.einsum_op = QATEinsum(layer.einsum_op, act)
             act = None
-        promote = QATPromote(_inner_promote(layer), weight, act, _contract(layer))
+        promote = QATPromote(layer.promote_dtype, weight, act, _contract(layer))
         if cfg.learn_scale:
             kernel = getattr(layer, _kernel_name(layer))[...]
             init = _stack(functools.partial(init_qparams, spec=weight),
@@ -374,7 +376,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
         _keep_sharding(layer, var, extra)
         act = cfg.act
         if isinstance(layer, nnx.Embed):
-            layer.promote_dtype = nnx.static(_DequantPromote(act))
+            layer.promote_dtype = nnx.static(DequantPromote(act))
             continue
         layer.promote_dtype = nnx.static(q_promote_dtype)
         if isinstance(layer, nnx.Einsum):
