@@ -10,7 +10,10 @@ A `QTensor` operand (the weight) is multiplied in one of two ways:
   the single contracting axis, which is then split into ``(n_blocks, block)``:
   one batched int dot, each block's int32 partial sum scaled, then the blocks
   summed. Zero points (and unsigned codes) are exact; a contraction too long for
-  exact int32 sums is cut into pieces that are exact.
+  exact int32 sums is cut into pieces that are exact. A NaN in the float
+  operand makes the results of its row (per token) or of the whole dot (per
+  tensor) NaN. Gradients: straight through the activation's quantization, as
+  `jaxquant.fake_quant` (see `jaxquant._int_dot.int_dot`).
 * **weight-only** (``act_quant=None``, `jaxquant._weight_only`): the weight is
   dequantized inside the jitted dot and multiplied in float.
 """
@@ -39,20 +42,49 @@ _SIDES = ("lhs", "rhs")
 _is_q = is_qtensor
 
 
-def _check_dims(dimension_numbers, ndims) -> tuple:
-    """``((lc, rc), (lb, rb))`` as tuples of non-negative ints, or a ValueError."""
+def _dim(d, side: str, name: str, dimension_numbers) -> int:
+    if isinstance(d, (bool, np.bool_)) or not isinstance(d, (int, np.integer)):
+        raise TypeError(f"{side} {name} dimensions must be ints, got {d!r} in "
+                        f"dimension_numbers {dimension_numbers!r}.")
+    return int(d)
+
+
+def _check_dims(dimension_numbers, shapes) -> tuple:
+    """``((lc, rc), (lb, rb))`` as tuples of non-negative ints, checked against ``shapes``.
+
+    Args:
+      dimension_numbers: as for ``lax.dot_general``.
+      shapes: the lhs and rhs shapes.
+
+    Returns:
+      The normalized dimension numbers.
+
+    Raises:
+      ValueError: a malformed ``dimension_numbers``, a dimension out of range,
+        lhs and rhs with different numbers of contracting (batch) dimensions or
+        different sizes along them.
+      TypeError: a dimension that is not an int.
+    """
     try:
         (lc, rc), (lb, rb) = dimension_numbers
+        pairs = (("contracting", (tuple(lc), tuple(rc))), ("batch", (tuple(lb), tuple(rb))))
     except (TypeError, ValueError):
         raise ValueError(f"dimension_numbers must be ((lhs_contracting, rhs_contracting), "
-                         f"(lhs_batch, rhs_batch)), got {dimension_numbers!r}.") from None
+                         f"(lhs_batch, rhs_batch)), sequences of ints, got "
+                         f"{dimension_numbers!r}.") from None
     out = []
-    for name, pair in (("contracting", (lc, rc)), ("batch", (lb, rb))):
-        pair = tuple(tuple(normalize_axis(int(d), ndims[i], f"{_SIDES[i]} {name} dimension")
+    for name, pair in pairs:
+        pair = tuple(tuple(normalize_axis(_dim(d, _SIDES[i], name, dimension_numbers),
+                                          len(shapes[i]), f"{_SIDES[i]} {name} dimension")
                            for d in pair[i]) for i in (0, 1))
         if len(pair[0]) != len(pair[1]):
             raise ValueError(f"lhs and rhs must have as many {name} dimensions, got "
                              f"{pair[0]} and {pair[1]}.")
+        sizes = [tuple(shapes[i][d] for d in pair[i]) for i in (0, 1)]
+        if sizes[0] != sizes[1]:
+            raise ValueError(f"the {name} dimensions of lhs {pair[0]} and rhs {pair[1]} must "
+                             f"have equal sizes; got lhs sizes {sizes[0]} and rhs sizes "
+                             f"{sizes[1]}.")
         out.append(pair)
     return tuple(out)
 
@@ -101,7 +133,7 @@ def _qdot(lhs, rhs, dims, precision, preferred_element_type, out_sharding, act_q
     with jax.numpy_dtype_promotion("standard"):
         out_dtype = preferred_element_type or (floats[0] if floats else
                                                jnp.promote_types(lhs.dtype, rhs.dtype))
-    return int_dot((lhs, rhs), dims, act_quant, out_dtype, out_sharding)
+    return int_dot((lhs, rhs), dims, act_quant, out_dtype, out_sharding, precision)
 
 
 def qdot_general(
@@ -127,7 +159,8 @@ def qdot_general(
       rhs: a float array or a `QTensor`.
       dimension_numbers: ``((lhs_contracting, rhs_contracting), (lhs_batch,
         rhs_batch))``, as for ``lax.dot_general``.
-      precision: for the float dot (the int8 dot is exact).
+      precision: for the float dot (the int8 dot is exact; its backward pass is a
+        float dot).
       preferred_element_type: the result dtype; int8 path default: the float
         operand's dtype.
       out_sharding: passed to ``lax.dot_general`` (the blocked int8 path, whose
@@ -138,12 +171,14 @@ def qdot_general(
       ``lax.dot_general``'s result: batch, then lhs free, then rhs free dims.
 
     Raises:
-      TypeError: a non-float array operand; ``act_quant`` not an `ActQuant`.
-      ValueError: bad ``dimension_numbers``; int8 path: a float or wider than
-        8-bit QTensor, a scale varying along the contraction (per-axis on a
-        contracting axis, blocked along another axis than the single
-        contracting one), zero points on both operands, an integer
-        ``preferred_element_type``.
+      TypeError: a non-float array operand; ``act_quant`` not an `ActQuant`; a
+        dimension that is not an int.
+      ValueError: bad ``dimension_numbers`` (malformed, out of range, or
+        contracting or batch dimensions of different sizes); int8 path: a
+        float or wider than 8-bit QTensor, a scale varying along the
+        contraction (per-axis on a contracting axis, blocked along another
+        axis than the single contracting one), zero points on both operands,
+        an integer ``preferred_element_type``.
 
     Example:
       >>> import jaxquant as jq
@@ -162,7 +197,7 @@ def qdot_general(
         if not (_is_q(op) or jnp.issubdtype(op.dtype, jnp.floating)):
             raise TypeError(f"{name} must be a float array or a jaxquant.QTensor, got dtype "
                             f"{op.dtype}.")
-    dims = _check_dims(dimension_numbers, (ops[0].ndim, ops[1].ndim))
+    dims = _check_dims(dimension_numbers, (ops[0].shape, ops[1].shape))
     if preferred_element_type is not None:
         preferred_element_type = np.dtype(preferred_element_type)
     if act_quant is not None:

@@ -49,6 +49,11 @@ def _largest_power_of_two_dividing(n: int) -> int:
     return n & -n
 
 
+def _is_int(v) -> bool:
+    """A Python or NumPy integer (not a bool)."""
+    return isinstance(v, (int, np.integer)) and not isinstance(v, (bool, np.bool_))
+
+
 def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None = None
                        ) -> jax.Array:
     """The orthonormal Walsh-Hadamard transform of ``x`` along ``axis``, in blocks.
@@ -64,7 +69,8 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
       x: a float array.
       axis: the axis to transform.
       block_size: a power of two dividing ``x.shape[axis]``; None: the largest
-        power of two dividing it (the whole axis when its length is a power of two).
+        power of two dividing it (the whole axis when its length is a power of
+        two; an empty axis is returned as it is).
         Each entry costs about ``min(block_size, 128 + block_size / 128)``
         multiply-adds.
 
@@ -89,18 +95,19 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be a float array, got dtype {x.dtype}.")
-    if not (isinstance(axis, int) and -x.ndim <= axis < x.ndim):
+    if not (_is_int(axis) and -x.ndim <= axis < x.ndim):
         raise ValueError(f"axis must be an int in [{-x.ndim}, {x.ndim}) for x of shape "
                          f"{x.shape}, got {axis!r}.")
-    axis %= x.ndim
+    axis = int(axis) % x.ndim
     n = x.shape[axis]
-    if block_size is None:
-        block_size = _largest_power_of_two_dividing(n)
-    if (isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1
-            or block_size & (block_size - 1) or n % block_size):
+    if block_size is None:  # an empty axis: nothing to transform
+        block_size = _largest_power_of_two_dividing(n) or 1
+    if (not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1)
+            or n % block_size):
         raise ValueError(f"block_size must be a power of two dividing x.shape[{axis}] = {n}, "
                          f"got {block_size!r}.")
-    if block_size == 1:
+    block_size = int(block_size)
+    if block_size == 1 or x.size == 0:
         return x
     compute = x.dtype if x.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
     moved = jnp.moveaxis(x, axis, -1).astype(compute)

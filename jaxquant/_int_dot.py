@@ -21,6 +21,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
@@ -30,6 +31,7 @@ from jaxquant._formats import get_format
 from jaxquant._granularity import expand
 from jaxquant._packing import PackedArray, sign_extend, split_groups, unpack_fields
 from jaxquant._qtensor import QTensor, is_qtensor, scale_values
+from jaxquant._quantize import dequantize_values
 from jaxquant._rounding import divide, round_to_codes
 from jaxquant._scales import scale_from_range
 
@@ -98,8 +100,8 @@ def int_operand(op, contract: tuple, act_quant: ActQuant):
         x = op.astype(jnp.float32)
         axes = contract if act_quant.granularity == "token" else tuple(range(n))
         # One reduction of |x| (activations are small: two reductions cost more dispatch).
-        amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)
-        scale, _ = scale_from_range(amax, amax, _INT8, True)
+        amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0)
+        scale, _ = scale_from_range(amax, amax, _INT8, True)  # NaN for a NaN amax
         return round_to_codes(divide(x, scale), None, _INT8), scale, None
     fmt, layout, codes = op.format, op.layout, op.qvalue
     offset = 0 if fmt.signed else 1 << (fmt.bits - 1)  # unsigned u -> int8 u - offset
@@ -166,10 +168,59 @@ def _constrain(y: jax.Array, sharding) -> jax.Array:
     return lax.with_sharding_constraint(y, sharding)
 
 
-def int_dot(ops, dims, act_quant, out_dtype, out_sharding):
-    block = {op.block_size for op in ops if _is_q(op) and op.block_size}
-    parts = [int_operand(op, dims[0][i], act_quant) for i, op in enumerate(ops)]
+def int_dot(ops, dims, act_quant, out_dtype, out_sharding, precision=None):
+    """The int8 x int8 -> int32 dot of `qdot_general` (arguments checked there).
+
+    Differentiable: the float operand's gradient is the straight-through
+    estimate of `jaxquant.fake_quant` (an absmax scale clips nothing), that is
+    the gradient of the float dot of the dequantized operands, whose
+    activation is the fake-quantized float operand; a `QTensor`'s scale gets
+    the gradient of that dot (the result is linear in it), its codes none.
+
+    Args:
+      ops: ``(lhs, rhs)``, arrays or `QTensor` operands (at least one QTensor).
+      dims: normalized dimension numbers.
+      act_quant: how the float operand is quantized.
+      out_dtype: the result dtype.
+      out_sharding: the result's sharding, or ``None``.
+      precision: for the float dot of the backward pass.
+
+    Returns:
+      The dot, in ``out_dtype``.
+    """
+    return _int_dot(*ops, dims, act_quant, np.dtype(out_dtype), out_sharding, precision)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5, 6))
+def _int_dot(lhs, rhs, dims, act_quant, out_dtype, out_sharding, precision):
+    del precision  # the int8 dot is exact
+    block = {op.block_size for op in (lhs, rhs) if _is_q(op) and op.block_size}
+    parts = [int_operand(op, dims[0][i], act_quant) for i, op in enumerate((lhs, rhs))]
     return int_dot_parts(parts, dims, block.pop() if block else None, out_dtype, out_sharding)
+
+
+def _int_dot_fwd(lhs, rhs, dims, act_quant, out_dtype, out_sharding, precision):
+    return _int_dot(lhs, rhs, dims, act_quant, out_dtype, out_sharding, precision), (lhs, rhs)
+
+
+def _int_dot_bwd(dims, act_quant, out_dtype, out_sharding, precision, ops, g):
+    def fake_quantized(x, contract):  # the value the int8 dot gives x, in x's dtype
+        q, scale, _ = int_operand(x, contract, act_quant)
+        return (q.astype(jnp.float32) * scale).astype(x.dtype)
+
+    def values(v):
+        return dequantize_values(v) if _is_q(v) else v.astype(jnp.float32)
+
+    def float_dot(a, b):
+        return lax.dot_general(values(a), values(b), dims, precision,
+                               preferred_element_type=jnp.float32, out_sharding=out_sharding)
+
+    ops = [op if _is_q(op) else fake_quantized(op, dims[0][i]) for i, op in enumerate(ops)]
+    _, vjp = jax.vjp(float_dot, *ops)  # straight through: d x = d fake_quantized(x)
+    return vjp(g.astype(jnp.float32))
+
+
+_int_dot.defvjp(_int_dot_fwd, _int_dot_bwd)
 
 
 def exact_length(zero_point: bool) -> int:

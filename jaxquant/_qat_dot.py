@@ -107,13 +107,14 @@ def _weight_codes(rhs, cfg: _Config):
     (blocked: a QTensor's scale, ``n_blocks`` along the blocked axis).
     """
     w = cfg.weight
-    if w.block_size:
+    if w.block_size:  # a block holding a NaN gets a NaN scale
         qt = quantize(rhs, dtype=jnp.int8, axis=w.axis, block_size=w.block_size)
         return qt.qvalue, qt.scale
     x = rhs.astype(jnp.float32)
     axes = tuple(d for d in range(x.ndim) if d != w.axis)
-    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True)  # max(|min|, |max|): fake_quant's
-    scale, _ = scale_from_range(amax, amax, _INT8, True)
+    # max(|min|, |max|): fake_quant's; 0 (scale 1) for an empty weight
+    amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0)
+    scale, _ = scale_from_range(amax, amax, _INT8, True)  # NaN for a NaN amax
     return round_to_codes(divide(x, scale), None, _INT8), scale
 
 
@@ -161,7 +162,8 @@ def _qat_dot_bwd(cfg: _Config, residuals, g):
         # Without it XLA:CPU recomputes the dequantized values from the float quotients
         # x / s of the forward pass, which it then keeps in memory in full (a quotient
         # pass more, and 4x the bytes of the codes). The branches are the same.
-        s = jnp.max(w[1])  # a scalar on any sharding (slicing a sharded scale is rejected)
+        # a scalar on any sharding (slicing a sharded scale is rejected), or size
+        s = jnp.max(w[1], initial=0.0)
         return lax.cond(s == s, grads, grads, x, w, g)
 
     return lax.platform_dependent(x, w, g, cpu=cpu, default=grads)
@@ -206,7 +208,7 @@ def _fake_operand(x, contract: tuple, act: ActQuant):
     free = tuple(d for d in range(x.ndim) if d not in contract)
     t = jnp.transpose(x, free + contract)
     rows = math.prod(t.shape[:len(free)])
-    fq = fake_quant(t.reshape(rows, -1), axis=0).reshape(t.shape)
+    fq = fake_quant(t.reshape(rows, t.size // max(rows, 1)), axis=0).reshape(t.shape)
     return jnp.transpose(fq, tuple(np.argsort(free + contract)))
 
 
@@ -332,7 +334,7 @@ def qat_dot_general(
     if ops[0].dtype != ops[1].dtype:
         raise TypeError(f"lhs and rhs must have the same dtype, got {ops[0].dtype} and "
                         f"{ops[1].dtype}; cast one of them first.")
-    dims = _check_dims(dimension_numbers, (ops[0].ndim, ops[1].ndim))
+    dims = _check_dims(dimension_numbers, (ops[0].shape, ops[1].shape))
     weight = _check_weight(weight, ops[1].ndim, dims[0][1])
     if act is not None and not isinstance(act, ActQuant):
         raise TypeError(f"act must be None or a jaxquant.ActQuant, got {type(act).__name__}.")

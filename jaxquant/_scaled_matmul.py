@@ -88,7 +88,8 @@ def scaled_matmul(lhs: QTensor, rhs: QTensor, *,
     Raises:
       TypeError: an operand that is not a QTensor.
       ValueError: ranks, layouts, contracting sizes or block sizes that do not
-        match; ``"cudnn"`` for operands cuDNN does not take or without a GPU.
+        match; ``"cudnn"`` for operands cuDNN does not take or without a GPU; a
+        ``preferred_element_type`` that is not a float dtype.
 
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
@@ -118,6 +119,8 @@ def scaled_matmul(lhs: QTensor, rhs: QTensor, *,
     use_cudnn = implementation == "cudnn" or (implementation is None and ready
                                               and jax.default_backend() == "gpu")
     out = np.dtype(preferred_element_type)
+    if not jnp.issubdtype(out, jnp.floating):
+        raise ValueError(f"preferred_element_type must be a float dtype, got {out}.")
     if use_cudnn:
         return _cudnn(lhs, rhs, out)
     return _xla(lhs, rhs, out)

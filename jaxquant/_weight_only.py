@@ -212,7 +212,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         s = qt.scale
         while _is_q(s):  # a two-level scale: its float32 tensor scale
             s = s.scale
-        s = jnp.max(s.astype(jnp.float32))  # a scalar on any sharding
+        s = jnp.max(s.astype(jnp.float32), initial=0.0)  # a scalar on any sharding (or size)
         return lax.cond(s == s, fn, fn, *args)  # same branches: the predicate is moot
 
     def streamed(lhs, rhs, i: int, rows: int):  # see the module docstring
