@@ -516,3 +516,48 @@ def test_reading_the_embedding_table_directly(rules):
     np.testing.assert_allclose(qm.apply(q, TOKENS), want, atol=1e-5)
     if isinstance(rules, QuantConfig):  # QAT reads the fake-quantized table
         np.testing.assert_allclose(qm.apply(params, TOKENS), want, atol=1e-5)
+
+
+class _ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.Dense(6)(x), None
+
+
+class _ScanOnAxis(nn.Module):
+    axis: int
+
+    @nn.compact
+    def __call__(self, x):
+        blocks = nn.scan(_ScanBlock, variable_axes={"params": self.axis},
+                         split_rngs={"params": True}, length=3)
+        return blocks()(x, None)[0]
+
+
+@pytest.mark.parametrize("axis", [0, 1])
+def test_layers_stacked_on_another_axis_are_quantized_layer_by_layer(axis):
+    model = _ScanOnAxis(axis)
+    x = jax.random.normal(jax.random.key(0), (2, 6))
+    qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(axis=-1)))
+    params = qm.init(jax.random.key(1), x)
+    (name,) = params["params"]
+    kernel = np.asarray(params["params"][name]["Dense_0"]["kernel"])
+    assert kernel.shape == ((3, 6, 6) if axis == 0 else (6, 3, 6))
+    layers = np.moveaxis(kernel, axis, 0)
+    q = qm.quantize_params(params, x)
+    qt = q["params"][name]["Dense_0"]["kernel"]
+    for i, w in enumerate(layers):  # per output channel of each layer, by NumPy
+        g = np.asarray(jax.tree.map(lambda a, i=i: jnp.take(a, i, axis=axis), qt).dequantize())
+        s = np.abs(w).max(axis=0) / np.float32(127)
+        np.testing.assert_allclose(g, np.clip(np.rint(w / s), -127, 127) * s, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)), np.asarray(qm.apply(params, x)),
+                               rtol=1e-5, atol=1e-6)
+
+
+def test_per_tensor_scales_stacked_on_a_later_axis_are_refused():
+    model = _ScanOnAxis(1)
+    x = jnp.ones((2, 6))
+    qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(axis=None)))
+    params = qm.init(jax.random.key(1), x)
+    with pytest.raises(ValueError, match=r"stacked along axis 1 .*per-tensor scale"):
+        qm.quantize_params(params, x)

@@ -135,7 +135,7 @@ def _interceptor(rules, record: dict | None = None):
         else:
             y = _qat(m, method, cfg, args, kwargs)
         if record is not None:
-            record[path] = (type(m).__name__, name, np.ndim(get_param(m, name)), cfg)
+            record[path] = (type(m).__name__, name, np.shape(get_param(m, name)), cfg)
         return y
 
     return intercept
@@ -301,10 +301,10 @@ class QuantizedLinen:
         """
         record = self._survey(variables, args, kwargs)
         if grams is not None:
-            check_gptq_layers(grams, {p: (r[3], r[2]) for p, r in record.items()})
+            check_gptq_layers(grams, {p: (r[3], len(r[2])) for p, r in record.items()})
         out = flax.core.unfreeze(variables)  # a copy, nested dicts
         quant = out.pop("quant", {})
-        for path, (_, name, ndim, cfg) in record.items():
+        for path, (_, name, shape, cfg) in record.items():
             if cfg is None or cfg.weight is None:
                 continue
             keys = path.split("/") if path else []
@@ -317,15 +317,44 @@ class QuantizedLinen:
             learned = [qnode[name + k] for k in ("_scale", "_zero_point")
                        if cfg.learn_scale and name + k in qnode]
             fn = functools.partial(learned_qtensor, spec=spec) if learned else spec
-            for _ in range(leaf.ndim - ndim):  # nn.scan stacks layers on leading axes
-                fn = jax.vmap(fn)
+            n_stack = leaf.ndim - len(shape)
+            stack_axis = _stacking_axis(path, name, leaf.shape, shape)
+            for _ in range(n_stack):  # layers stacked by nn.scan / nn.vmap: one by one
+                fn = jax.vmap(fn, in_axes=stack_axis, out_axes=stack_axis)
             if grams is not None and path in grams:
                 fn = functools.partial(gptq_kernel, gram=grams[path], spec=spec, path=path)
-            qt = fn(leaf, *learned)
+            try:
+                qt = fn(leaf, *learned)
+            except ValueError as e:
+                if stack_axis == 0:
+                    raise
+                raise ValueError(f"layer {path!r}: {name} is stacked along axis {stack_axis} "
+                                 f"(variable_axes), where its quantized arrays do not all have "
+                                 f"an axis (a per-tensor scale); quantize it per channel or "
+                                 f"stack along axis 0. ({e})") from None
             if isinstance(box, nn.Partitioned):  # each array keeps its axes' mesh names
-                qt = box_qtensor(qt, box, leaf.ndim - ndim)
+                if stack_axis:
+                    raise ValueError(f"layer {path!r}: partitioned {name} stacked along axis "
+                                     f"{stack_axis}: only leading stacking axes are supported.")
+                qt = box_qtensor(qt, box, n_stack)
             node[name] = qt
         return flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
+
+
+def _stacking_axis(path: str, name: str, stacked: tuple, layer: tuple) -> int:
+    """The axis along which ``nn.scan`` / ``nn.vmap`` stacked a layer's parameter of
+    shape ``layer`` into ``stacked``: 0 (leading axes, Flax's default), else the one
+    ``variable_axes`` position that fits; a ValueError where none or several do. (A
+    shape that fits both, such as ``(6, 6)`` stacked 6 times, is read as leading.)"""
+    n = len(stacked) - len(layer)
+    if n == 0 or stacked[n:] == layer:
+        return 0
+    fits = [a for a in range(len(stacked)) if stacked[:a] + stacked[a + n:] == layer]
+    if n == 1 and len(fits) == 1:
+        return fits[0]
+    raise ValueError(f"layer {path!r}: cannot tell how its {name} of shape {layer} is stacked "
+                     f"into {stacked}; stack layers along leading axes (variable_axes "
+                     f"{{'params': 0}}).")
 
 
 def quantize_linen(module: nn.Module, rules: Rules) -> QuantizedLinen:
