@@ -71,8 +71,8 @@ def _pack6(u: jax.Array, axis: int) -> jax.Array:
     g = split_groups(u, axis, 4)
     c = [lax.index_in_dim(g, i, axis + 1, keepdims=False) for i in range(4)]
     b = [c[0] | (c[1] << 6), (c[1] >> 2) | (c[2] << 4), (c[2] >> 4) | (c[3] << 2)]
-    out = jnp.stack(b, axis=axis + 1)
-    return out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2:])
+    out = jnp.stack(b, axis=axis + 1)  # explicit lengths: -1 is ambiguous for empty arrays
+    return out.reshape(out.shape[:axis] + (3 * out.shape[axis],) + out.shape[axis + 2:])
 
 
 def _unpack6(packed: jax.Array, length: int, axis: int) -> jax.Array:
@@ -84,7 +84,7 @@ def _unpack6(packed: jax.Array, length: int, axis: int) -> jax.Array:
          for i in range(3)]
     c = [b[0] & 63, (b[0] >> 6) | ((b[1] & 15) << 2), (b[1] >> 4) | ((b[2] & 3) << 4), b[2] >> 2]
     out = jnp.stack(c, axis=axis + 1)
-    out = out.reshape(out.shape[:axis] + (-1,) + out.shape[axis + 2:])
+    out = out.reshape(out.shape[:axis] + (4 * out.shape[axis],) + out.shape[axis + 2:])
     return lax.slice_in_dim(out, 0, length, axis=axis)
 
 

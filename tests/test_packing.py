@@ -120,3 +120,14 @@ def test_quantize_packed_fast_path_equals_pack_of_quantize(fmt, gran):
 def test_quantize_packed_rejects_wide_formats():
     with pytest.raises(ValueError, match="packed=True needs a 2-, 4- or 6-bit format and an input of rank >= 1, got int8"):
         jq.quantize(jnp.ones(4), dtype=jnp.int8, packed=True)
+
+
+@pytest.mark.parametrize("dtype", ["float6_e3m2fn", "float6_e2m3fn", "int4", "int2"])
+@pytest.mark.parametrize("shape", [(0, 5), (5, 0), (0,)])
+def test_packing_empty_arrays(dtype, shape):
+    # NumPy: an empty array packs to an empty array; ceil(5 * bits / 8) bytes per row
+    qt = jq.quantize(jnp.ones(shape), dtype=dtype, axis=None, packed=True)
+    bits = 6 if dtype.startswith("float6") else int(dtype[-1])
+    row = -(-shape[-1] // (24 // bits if bits == 6 else 8 // bits)) * (3 if bits == 6 else 1)
+    assert qt.qvalue.data.shape == shape[:-1] + (row,)
+    assert qt.dequantize().shape == shape
