@@ -561,3 +561,18 @@ def test_per_tensor_scales_stacked_on_a_later_axis_are_refused():
     params = qm.init(jax.random.key(1), x)
     with pytest.raises(ValueError, match=r"stacked along axis 1 .*per-tensor scale"):
         qm.quantize_params(params, x)
+
+
+def test_a_spec_that_does_not_fit_a_layer_names_the_layer():
+    class Two(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(3, name="head")(nn.Dense(4, name="body")(x))
+
+    x = jnp.ones((2, 5))
+    rules = [("head", QuantConfig(weight=jq.QuantSpec(axis=2))), ("", QuantConfig())]
+    with pytest.raises(ValueError, match=r"layer 'head' \(Dense\): axis must be in \[-2, 2\)"):
+        quantize_linen(Two(), rules).init(jax.random.key(0), x)  # training
+    params = quantize_linen(Two(), QuantConfig()).init(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"layer 'head'.*axis must be in \[-2, 2\)"):
+        quantize_linen(Two(), rules).quantize_params(params, x)  # conversion

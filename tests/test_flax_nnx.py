@@ -346,3 +346,15 @@ def test_embed_attend_with_act_inference_matches_qat():
     yt = call(m, TOKENS)
     nnx_quantize(m, cfg)
     np.testing.assert_allclose(nnx.jit(call)(m, TOKENS), yt, atol=1e-6)
+
+
+def test_nnx_a_spec_that_does_not_fit_a_layer_names_the_layer():
+    class Two(nnx.Module):
+        def __init__(self):
+            self.body = nnx.Linear(5, 4, rngs=nnx.Rngs(0))
+            self.head = nnx.Linear(4, 3, rngs=nnx.Rngs(1))
+
+    with pytest.raises(ValueError, match=r"layer 'head': cannot quantize its kernel "
+                                         r"\(float32\[4, 3\]\) as its rule says: .*axis"):
+        nnx_quantize(Two(), [("head", QuantConfig(weight=jq.QuantSpec(axis=2))),
+                             ("", QuantConfig())])

@@ -133,7 +133,12 @@ def _interceptor(rules, record: dict | None = None):
         if cfg is None or (cfg.weight is None and cfg.act is None):
             y = next_fun(*args, **kwargs)
         else:
-            y = _qat(m, method, cfg, args, kwargs)
+            try:
+                y = _qat(m, method, cfg, args, kwargs)
+            except (TypeError, ValueError) as e:
+                if type(e) not in (TypeError, ValueError):
+                    raise
+                raise type(e)(f"layer {path!r} ({type(m).__name__}): {e}") from None
         if record is not None:
             record[path] = (type(m).__name__, name, np.shape(get_param(m, name)), cfg)
         return y
@@ -325,13 +330,16 @@ class QuantizedLinen:
                 fn = functools.partial(gptq_kernel, gram=grams[path], spec=spec, path=path)
             try:
                 qt = fn(leaf, *learned)
-            except ValueError as e:
-                if stack_axis == 0:
+            except (TypeError, ValueError) as e:
+                if str(e).startswith("grams["):
                     raise
-                raise ValueError(f"layer {path!r}: {name} is stacked along axis {stack_axis} "
-                                 f"(variable_axes), where its quantized arrays do not all have "
-                                 f"an axis (a per-tensor scale); quantize it per channel or "
-                                 f"stack along axis 0. ({e})") from None
+                if stack_axis:
+                    raise ValueError(f"layer {path!r}: {name} is stacked along axis "
+                                     f"{stack_axis} (variable_axes), where its quantized arrays "
+                                     f"do not all have an axis (a per-tensor scale); quantize "
+                                     f"it per channel or stack along axis 0. ({e})") from None
+                raise type(e)(f"layer {path!r}: cannot quantize its {name} "
+                              f"({leaf.dtype}{list(leaf.shape)}) as its rule says: {e}") from None
             if isinstance(box, nn.Partitioned):  # each array keeps its axes' mesh names
                 if stack_axis:
                     raise ValueError(f"layer {path!r}: partitioned {name} stacked along axis "

@@ -313,6 +313,18 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
     return grams
 
 
+def _quantize_kernel(path: str, kernel, spec, hook, extra: int):
+    """The QTensor of one layer's kernel (learned scales from ``hook``), or an error naming
+    the layer."""
+    learned = isinstance(hook, LearnedScale)
+    fn = functools.partial(learned_qtensor, spec=spec) if learned else spec
+    try:
+        return _stack(fn, extra)(kernel, *(hook.values() if learned else ()))
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"layer {path!r}: cannot quantize its kernel ({kernel.dtype}"
+                      f"{list(kernel.shape)}) as its rule says: {e}") from None
+
+
 def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> nnx.Module:
     """Replaces the kernels of selected layers by `QTensor` values for inference, in place.
 
@@ -367,11 +379,8 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             hook = layer.promote_dtype
             if grams is not None and path in grams:
                 kernel = gptq_kernel(kernel, grams[path], spec, path)
-            elif isinstance(hook, LearnedScale):
-                fn = functools.partial(learned_qtensor, spec=spec)
-                kernel = _stack(fn, extra)(kernel, *hook.values())
             else:
-                kernel = _stack(spec, extra)(kernel)
+                kernel = _quantize_kernel(path, kernel, spec, hook, extra)
             var.set_value(kernel)
         _keep_sharding(layer, var, extra)
         act = cfg.act
