@@ -3,7 +3,7 @@
 A block of codes that shares one scale, or a byte that holds two int4 codes,
 must not straddle two devices: with JAX's explicit sharding (mesh axes of type
 ``Explicit``) the reshape that forms the blocks would fail deep inside the
-library, and with automatic sharding XLA gathers the axis and returns
+library, and with automatic sharding XLA may gather the axis and return
 replicated codes. This module turns the explicit case into a ``ValueError``
 that names the axis, the shard length and the block; the automatic case is
 documented (the sharding is propagated by XLA, not known when tracing).
