@@ -52,6 +52,7 @@ from jaxquant._observers import (
     RangeState,
     _batch_range,
     _check_count,
+    _check_real,
     _observer,
     _range_state,
     _state_range,
@@ -105,7 +106,8 @@ def minmax(*, axis: int | None = None) -> Observer:
     Raises:
       ValueError: (from ``init``/``update``) ``axis`` out of range, or a batch
         whose length along ``axis`` differs from the state's.
-      TypeError: (from ``update``) a non-float batch.
+      TypeError: (from ``update``) a non-float batch; (from ``update`` and
+        ``compute``) a state that is not a `RangeState`.
 
     Example:
       >>> import jax.numpy as jnp
@@ -119,7 +121,7 @@ def minmax(*, axis: int | None = None) -> Observer:
       >>> float(scale), int(zp)
       (0.01568627543747425, 64)
     """
-    return _observer(axis, _range_state, _minmax_update, _state_range)
+    return _observer(axis, _range_state, _minmax_update, _state_range, RangeState)
 
 
 def moving_average_minmax(averaging_constant: float = 0.01, *,
@@ -139,6 +141,8 @@ def moving_average_minmax(averaging_constant: float = 0.01, *,
       An `Observer` whose state is a `RangeState`.
 
     Raises:
+      TypeError: ``averaging_constant`` not a real number; from ``update`` as
+        `minmax`.
       ValueError: ``averaging_constant`` outside ``(0, 1]``; from
         ``init``/``update`` as `minmax`.
 
@@ -149,11 +153,11 @@ def moving_average_minmax(averaging_constant: float = 0.01, *,
       >>> float(state.min), float(state.max)
       (-2.0, 3.0)
     """
-    c = float(averaging_constant)
+    c = _check_real(averaging_constant, "averaging_constant")
     if not 0.0 < c <= 1.0:
         raise ValueError(f"averaging_constant must be in (0, 1], got {averaging_constant!r}.")
     update = functools.partial(_moving_average_update, constant=c)
-    return _observer(axis, _range_state, update, _state_range)
+    return _observer(axis, _range_state, update, _state_range, RangeState)
 
 
 def _histogram_observer(clip_range, bins: int, axis: int | None) -> Observer:
@@ -167,7 +171,7 @@ def _histogram_observer(clip_range, bins: int, axis: int | None) -> Observer:
         lo, hi = clip_range(_histogram.as_rows(state), fmt, symmetric)
         return lo.reshape(state.min.shape), hi.reshape(state.max.shape)
 
-    return _observer(axis, make_state, _histogram_update, rows_range)
+    return _observer(axis, make_state, _histogram_update, rows_range, HistogramState)
 
 
 def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
@@ -182,7 +186,9 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
     estimated L2 quantization error with ``2 ** bits`` levels of ``dtype``
     decreases, then maps the chosen ``[min, max]`` to a scale. Infinities are
     skipped; the search and histogram equal PyTorch's (see
-    `jaxquant._histogram`), and per-axis observers run one search per entry.
+    `jaxquant._histogram`) except where PyTorch's float32 error underflows or
+    overflows (data below about 1e-13 or above 1e12; it then keeps a sliver
+    of the range), and per-axis observers run one search per entry.
 
     Args:
       bins: histogram bins (PyTorch's default 2048).
@@ -193,7 +199,7 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
       integer ``dtype`` (the search assumes evenly spaced levels).
 
     Raises:
-      TypeError: ``bins`` not an int.
+      TypeError: ``bins`` not an int; a state that is not a `HistogramState`.
       ValueError: ``bins <= 0``; from ``compute``, a float format; from
         ``init``/``update`` as `minmax`.
 
@@ -240,7 +246,7 @@ def percentile(q: float = 99.99, *, bins: int = 2048, axis: int | None = None) -
       An `Observer` whose state is a `HistogramState`.
 
     Raises:
-      TypeError: ``bins`` not an int.
+      TypeError: ``q`` not a real number or ``bins`` not an int.
       ValueError: ``q`` outside ``[50, 100]`` or ``bins <= 0``.
 
     Example:
@@ -251,7 +257,7 @@ def percentile(q: float = 99.99, *, bins: int = 2048, axis: int | None = None) -
       >>> float(scale * 255), int(zp)  # p90 = 90 to within a bin (p10 = 10.5 clamps to 0)
       (90.5, 0)
     """
-    q = float(q)
+    q = _check_real(q, "q")
     if not 50.0 <= q <= 100.0:
         raise ValueError(f"q must be in [50, 100] (the upper percentile), got {q!r}.")
 

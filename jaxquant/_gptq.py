@@ -42,6 +42,9 @@ def _check(w, hessian, axis, block_size, damp) -> tuple[int | None, int | None]:
         raise ValueError(f"w must be a 2-D float kernel of shape (in, out), got shape {w.shape} "
                          f"and dtype {w.dtype}.")
     k = w.shape[0]
+    if not (jnp.issubdtype(hessian.dtype, jnp.floating)
+            or jnp.issubdtype(hessian.dtype, jnp.integer)):
+        raise TypeError(f"hessian must be a real array, got dtype {hessian.dtype}.")
     if hessian.shape != (k, k):
         raise ValueError(f"hessian must have shape (in, in) = {(k, k)} for w of shape "
                          f"{w.shape}, got {hessian.shape}.")
@@ -49,12 +52,12 @@ def _check(w, hessian, axis, block_size, damp) -> tuple[int | None, int | None]:
             and not isinstance(damp, bool) and 0 <= damp < np.inf):
         raise ValueError(f"damp must be a finite non-negative number, got {damp!r}.")
     if block_size is None:
-        if axis not in (-1, 1):
+        if isinstance(axis, bool) or axis not in (-1, 1):
             raise ValueError(f"axis must be -1 or 1 (one scale per output channel) without "
                              f"block_size, or 0 with block_size; got axis={axis!r}.")
         return 1, None
-    if axis != 0:
-        raise ValueError(f"with block_size, axis must be 0 (blocks of input rows), got "
+    if isinstance(axis, bool) or axis not in (0, -2):
+        raise ValueError(f"with block_size, axis must be 0 or -2 (blocks of input rows), got "
                          f"axis={axis!r}.")
     if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) \
             or block_size < 1 or k % block_size:
@@ -73,8 +76,8 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
       hessian: ``(in, in)``, the sum of ``x^T x`` over calibration inputs ``x`` of shape
         ``(rows, in)`` (any positive multiple: only its directions matter).
       dtype: the code format (integer, float8 or a codebook name, as in `quantize`).
-      axis: ``-1`` for one scale per output channel; ``0`` with ``block_size`` for blocks
-        of ``block_size`` input rows (the group size).
+      axis: ``-1`` (or ``1``) for one scale per output channel; ``0`` (or ``-2``) with
+        ``block_size`` for blocks of ``block_size`` input rows (the group size).
       block_size: rows per block along the input axis, dividing ``in``; or None.
       symmetric: absmax scales without zero point (True) or min/max with one.
       damp: added to ``H``'s diagonal, as a fraction of its mean (GPTQ's ``percdamp``).
@@ -85,6 +88,7 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
       axis=axis, block_size=block_size, symmetric=symmetric)`` would be.
 
     Raises:
+      TypeError: ``hessian`` not a real (float or integer) array.
       ValueError: ``w`` not a 2-D float array, ``hessian`` not ``(in, in)``, an axis or
         block size other than the ones above (codebooks need blocks), a negative or
         infinite ``damp``; a damped ``hessian`` that is not positive definite (singular,

@@ -18,13 +18,16 @@ PyTorch mixes float32 tensor arithmetic with Python (float64) scalars,
 float64 accumulation (``torch.cumsum``) and FMA-compiled kernels
 (``torch.linspace``). The few scalars that decide a bin are computed here
 without double rounding, from float32 pieces that multiply exactly (no
-float64 needed, so it runs with x64 off and on any backend), and `no_fma`
-keeps XLA from fusing a product into a following addition where PyTorch
-rounds the product first. With that, histograms and searched ranges equal
-PyTorch's bit for bit in randomized comparisons (hundreds of cases, 256 to
-2048 bins); only a float32 sum taken in another order could still break an
-exact tie between two errors differently. The search skips PyTorch's steps
-that move neither end (up to 1e5 of them) in one bisection.
+float64, so it runs with x64 off), and `no_fma` keeps XLA from fusing a
+product into an addition where PyTorch rounds the product first. Ranges are
+scaled by a power of two (exact), so that no piece is subnormal (XLA:CPU
+flushes those) and the search's error, a cube of bin widths, neither
+underflows (data below about 1e-13) nor overflows (above about 1e12), where
+PyTorch's search compares zeros or infinities and keeps a sliver of the
+range. Elsewhere histograms and searched ranges equal PyTorch's bit for bit
+in randomized comparisons (hundreds of cases, 16 to 2048 bins); only a
+float32 sum taken in another order could break an exact tie of two errors
+differently. Steps that move neither end (up to 1e5) take one bisection.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from jax import lax
 
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import Format
-from jaxquant._rounding import divide
+from jaxquant._rounding import divide, exponent, pow2
 from jaxquant._scales import scale_from_range
 
 __all__ = ["HistogramState", "as_rows", "no_fma", "update", "search_range", "percentile_range",
@@ -127,6 +130,12 @@ def _linspace(start: jax.Array, end: jax.Array, steps: int) -> jax.Array:
     return jnp.where(idx < steps // 2, low, high)
 
 
+def _power_of_two(m: jax.Array, low: int) -> jax.Array:
+    """``2**k`` taking ``|m|`` into ``[1, 2)``, ``k`` in ``[low, 126]`` (``2**low``: inf, NaN)."""
+    k = -exponent(m)
+    return pow2(jnp.where(jnp.isfinite(m), jnp.clip(k, low, 126), low))
+
+
 def _bin_index(x: jax.Array, lo: jax.Array, hi: jax.Array, bins: int) -> jax.Array:
     """The ``torch.histc`` bin of ``x`` over ``[lo, hi]`` (widened by 1 each way if empty)."""
     empty = lo == hi
@@ -182,12 +191,14 @@ def update(state: HistogramState, x: jax.Array) -> HistogramState:
     same = (new_min == state.min) & (new_max == state.max)
     point = state.min == state.max
     grow = seen & ~fresh & ~same & ~point
-    batch = _bincount(_bin_index(x, new_min[:, None], new_max[:, None], bins),
+    # Small ranges scaled up into [1, 2) (exact): no subnormal piece in `_linspace`.
+    f = _power_of_two(jnp.maximum(jnp.abs(new_min), jnp.abs(new_max)), 0)
+    old_lo, old_hi, lo, hi = state.min * f, state.max * f, new_min * f, new_max * f
+    batch = _bincount(_bin_index(x * f[:, None], lo[:, None], hi[:, None], bins),
                       finite.astype(_F32), bins)
-    upscaled = lax.cond(jnp.any(grow),
-                        lambda: _upscale(state.hist, state.min, state.max, new_min, new_max),
+    upscaled = lax.cond(jnp.any(grow), lambda: _upscale(state.hist, old_lo, old_hi, lo, hi),
                         lambda: jnp.zeros_like(state.hist))
-    one = _bin_index(state.min, new_min, new_max, bins)[:, None] == jnp.arange(bins)[None]
+    one = _bin_index(old_lo, lo, hi, bins)[:, None] == jnp.arange(bins)[None]
     single = jnp.where(one, jnp.sum(state.hist, axis=1, keepdims=True), _F32(0))
     moved = jnp.where(point[:, None], single, upscaled)
     old = jnp.where(fresh[:, None], _F32(0), jnp.where(same[:, None], state.hist, moved))
@@ -245,6 +256,8 @@ def _search_one(hist, lo, hi, dst):
     span = hi - lo
     span_err = (hi - (span - (span - hi))) + (-lo - (span - hi))  # TwoSum: hi - lo exactly
     width = divide(span, _F32(bins))
+    f = _power_of_two(span, -126)  # the errors of a span in [1, 2): all normal numbers
+    span_f, span_err_f, width_f = span * f, span_err * f, width * f
 
     def first_beta_move(ka, kb, start, end):
         # While l == start and r == end PyTorch only steps beta; jump to the
@@ -274,7 +287,7 @@ def _search_one(hist, lo, hi, dst):
         new_start = jnp.where(move_start, l_, start)
         new_end = jnp.where(move_start, end, r_)
         stuck = (new_start == start) & (new_end == end)
-        norm = _error(hist, width, span, span_err, new_start, new_end, dst)
+        norm = _error(hist, width_f, span_f, span_err_f, new_start, new_end, dst)
         worse = ~stuck & (norm > best)
         take = ~stuck & ~worse
         ka = ka + (move_start & ~stuck).astype(jnp.int32)
@@ -342,12 +355,9 @@ def _percentile_one(hist, lo, hi, qs):
 def percentile_range(state: HistogramState, q: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The ``100 - q`` and ``q`` percentiles per group, read off the histograms.
 
-    numpy's default (linear) definition: the value at position
-    ``(n - 1) * q / 100`` among the ``n`` sorted values seen, interpolating
-    between neighbours; each value is placed in its bin, the ``c`` values of a
-    bin spread evenly across it (``j``-th at ``left + width * (j + 0.5) / c``),
-    and the smallest and largest at the exact ``min`` and ``max``. It is
-    within about one bin width of ``numpy.percentile`` of the data.
+    numpy's default (linear) definition, the ``c`` values of a bin spread
+    evenly across it (``j``-th at ``left + width * (j + 0.5) / c``), the
+    extremes at the exact ``min`` and ``max`` (see `jaxquant._calibration.percentile`).
 
     Args:
       state: ``(G, bins)`` histograms.

@@ -10,6 +10,7 @@ checks at trace time and ranges turned into scales by `_qparams`
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -41,6 +42,9 @@ class Observer(NamedTuple):
         ``(x.shape[axis],)`` (per-axis), and ``None`` or zero points of
         ``dtype``, ready for ``jaxquant.quantize(x, scale, zero_point,
         dtype=dtype, axis=axis)``.
+
+    ``update`` and ``compute`` raise ``TypeError`` for a state that is not
+    the observer's own (a `RangeState` or a `HistogramState`).
     """
 
     init: Callable[[Any], Any]
@@ -76,14 +80,22 @@ def _batch_range(x, layout):
     return group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max)
 
 
-def _observer(axis: int | None, make_state, update_kernel, clip_range) -> Observer:
-    """An `Observer` from a state maker, a jitted update and a range chooser."""
+def _check_state(state: Any, state_type: type) -> None:
+    if not isinstance(state, state_type):
+        raise TypeError(f"state must be a {state_type.__name__} (from this observer's init), "
+                        f"got {type(state).__name__}.")
+
+
+def _observer(axis: int | None, make_state, update_kernel, clip_range,
+              state_type: type) -> Observer:
+    """An `Observer` from a state maker, a jitted update, a range chooser and the state type."""
     def init(x_like):
         shape = getattr(x_like, "shape", None)
         shape = tuple(np.shape(x_like) if shape is None else shape)
         return make_state(layout_from_args(shape, axis, None).scale_shape(shape))
 
     def update(state, x):
+        _check_state(state, state_type)
         x = as_float_input(x)
         layout = layout_from_args(x.shape, axis, None)
         got, expected = layout.scale_shape(x.shape), jnp.shape(state.min)
@@ -94,6 +106,7 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range) -> Observ
         return state if x.size == 0 else update_kernel(state, x, layout)
 
     def compute(state, *, dtype=jnp.int8, symmetric=True):
+        _check_state(state, state_type)
         fmt = get_format(dtype)
         if not symmetric and not fmt.is_integer:
             raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "
@@ -119,3 +132,13 @@ def _check_count(value: Any, name: str) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be a positive int, got {value}.")
     return int(value)
+
+
+def _check_real(value: Any, name: str) -> float:
+    """``value`` as a float: a real number or a 0-d real array, never a bool or a string."""
+    real_array = (isinstance(value, jax.Array | np.ndarray) and np.shape(value) == ()
+                  and (jnp.issubdtype(value.dtype, jnp.integer)
+                       or jnp.issubdtype(value.dtype, jnp.floating)))
+    if isinstance(value, bool | np.bool_) or not (isinstance(value, numbers.Real) or real_array):
+        raise TypeError(f"{name} must be a real number, got {value!r}.")
+    return float(value)

@@ -421,3 +421,62 @@ def test_histogram_search_refuses_wide_formats():
     state = jq.calibration.calibrate(obs, [jnp.arange(8.0)])
     with pytest.raises(ValueError, match="at most 16 bits, got int32"):
         obs.compute(state, dtype=jnp.int32)
+
+
+# ----------------------------------------------------------------------------- review
+
+
+@pytest.mark.parametrize("power", [-100, -60, 50, 70])
+def test_histogram_search_is_the_same_far_from_unit_scale(power):
+    """The L2 error of the search is a cube of bin widths: in float32 it underflows for
+    data below about 1e-13 and overflows above about 1e12, and the search then collapses
+    to a sliver of the range. Scaled by a power of two, the data must give PyTorch's range
+    at unit scale, scaled back."""
+    torch = pytest.importorskip("torch")
+    batches = _batches(19, shape=(5000,), kind="student", n=2)
+    ref = _torch_observe(torch.ao.quantization.HistogramObserver(bins=256), batches)
+    t_lo, t_hi = (t.item() for t in ref._non_linear_param_search())
+    assert t_hi - t_lo > 0.5 * (ref.max_val.item() - ref.min_val.item())  # a real range
+    f = np.float32(2.0 ** power)
+    obs = cal.histogram(256)
+    state = cal.calibrate(obs, [b * f for b in batches])
+    np.testing.assert_array_equal(state.hist, ref.histogram.numpy())
+    lo, hi = _histogram.search_range(_histogram.as_rows(state), dst_bins=256)
+    assert (float(lo[0]), float(hi[0])) == (t_lo * float(f), t_hi * float(f))
+
+
+def test_histogram_of_tiny_values_is_torchs():
+    """PyTorch's histogram of values near 1e-30 involves no subnormal number; the emulation
+    of its rounding must not flush any either."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(20)
+    for scale in (1e-30, 1e-33, 1e-36):
+        batches = [(rng.standard_normal(200) * scale * (1 + i)).astype(np.float32)
+                   for i in range(3)]
+        ref = _torch_observe(torch.ao.quantization.HistogramObserver(bins=256), batches)
+        state = cal.calibrate(cal.histogram(256), batches)
+        np.testing.assert_array_equal(state.hist, ref.histogram.numpy())
+        assert float(state.min) == ref.min_val.item() and float(state.max) == ref.max_val.item()
+
+
+def test_state_of_another_observer_is_a_type_error():
+    x = jnp.ones((4, 3))
+    with pytest.raises(TypeError, match="state must be a RangeState.*got HistogramState"):
+        cal.minmax().update(cal.histogram(8).init(x), x)
+    with pytest.raises(TypeError, match="state must be a HistogramState.*got RangeState"):
+        cal.histogram(8).update(cal.minmax().init(x), x)
+    with pytest.raises(TypeError, match="state must be a HistogramState.*got NoneType"):
+        cal.mse(4).compute(None)
+    with pytest.raises(TypeError, match="state must be a RangeState.*got tuple"):
+        cal.moving_average_minmax().compute((jnp.ones(()), jnp.ones(()), 1))
+
+
+@pytest.mark.parametrize("make,name", [
+    (lambda v: cal.moving_average_minmax(v), "averaging_constant"),
+    (lambda v: cal.percentile(v), "q"),
+])
+@pytest.mark.parametrize("value", ["0.5", None, True, jnp.ones(2)])
+def test_non_numbers_are_type_errors_naming_the_argument(make, name, value):
+    with pytest.raises(TypeError, match=rf"{name} must be a (real )?number, got"):
+        make(value)
+    make(np.float32(0.5) if name == "averaging_constant" else np.float64(99.0))  # NumPy scalars

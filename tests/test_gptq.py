@@ -163,3 +163,20 @@ def test_codebook_needs_blocks_and_numpy_scalars_are_accepted():
         jq.gptq(w, h, damp=float("inf"))
     qt = jq.gptq(w, h, dtype="nf4", axis=0, block_size=np.int64(32), damp=np.float32(0.01))
     assert qt.block_size == 32 and qt.codebook == "nf4"
+
+
+def test_negative_axis_names_the_input_rows_as_quantize_does():
+    x, w = _data(k=64, n=8)
+    want = jq.gptq(w, x.T @ x, dtype=jnp.int4, axis=0, block_size=16)
+    got = jq.gptq(w, x.T @ x, dtype=jnp.int4, axis=-2, block_size=16)
+    assert jq.quantize(w, dtype=jnp.int4, axis=-2, block_size=16).scale.shape == (4, 8)
+    np.testing.assert_array_equal(np.asarray(got.qvalue), np.asarray(want.qvalue))
+    np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+    with pytest.raises(ValueError, match="got axis=-1"):
+        jq.gptq(w, x.T @ x, axis=-1, block_size=16)
+
+
+def test_complex_hessian_is_a_type_error():
+    w = np.ones((8, 4), np.float32)
+    with pytest.raises(TypeError, match="hessian must be a real array, got dtype complex64"):
+        jq.gptq(w, np.eye(8, dtype=np.complex64))
