@@ -14,20 +14,16 @@ histogram per entry of the observed axis, or one for the whole tensor):
 * `percentile_range`: percentiles read off the same histogram.
 * `mse_range`: the clip ratio with the least squared error on the bin centers.
 
-PyTorch mixes float32 tensor arithmetic with Python (float64) scalars,
-float64 accumulation (``torch.cumsum``) and FMA-compiled kernels
-(``torch.linspace``). The few scalars that decide a bin are computed here
-without double rounding, from float32 pieces that multiply exactly (no
-float64, so it runs with x64 off), and `no_fma` keeps XLA from fusing a
-product into an addition where PyTorch rounds the product first. Ranges are
-scaled by a power of two (exact), so that no piece is subnormal (XLA:CPU
-flushes those) and the search's error, a cube of bin widths, neither
-underflows (data below about 1e-13) nor overflows (above about 1e12), where
-PyTorch's search compares zeros or infinities and keeps a sliver of the
-range. Elsewhere histograms and searched ranges equal PyTorch's bit for bit
-in randomized comparisons (hundreds of cases, 16 to 2048 bins); only a
-float32 sum taken in another order could break an exact tie of two errors
-differently. Steps that move neither end (up to 1e5) take one bisection.
+PyTorch mixes float32 tensors, float64 scalars and sums, and FMA kernels
+(``torch.linspace``); the scalars that decide a bin are computed here from
+float32 pieces that multiply exactly (x64 off), and `no_fma` keeps XLA from
+fusing a product PyTorch rounds first. Ranges are scaled by exact powers of
+two, so no piece is subnormal (XLA:CPU flushes those) and the search's error,
+a cube of bin widths, neither underflows (data below about 1e-13) nor
+overflows (above 1e12), where PyTorch compares zeros or infinities. Elsewhere
+histograms and ranges equal PyTorch's bit for bit in randomized comparisons
+(hundreds of cases, 16 to 2048 bins), up to ties broken by float32 sums taken
+in another order. Steps that move neither end (up to 1e5) take one bisection.
 """
 
 from __future__ import annotations
@@ -68,12 +64,8 @@ class HistogramState(NamedTuple):
 
 
 def no_fma(p: jax.Array) -> jax.Array:
-    """``p`` (NaN included), in a form XLA cannot contract with a following add into an FMA.
-
-    XLA:CPU turns ``a * b + c`` into one fused multiply-add (one rounding);
-    PyTorch's separate tensor ops round the product first. The select hides
-    the product from that rewrite at no cost.
-    """
+    """``p`` (NaN included), hidden by a select from XLA:CPU's FMA contraction of a following
+    add: PyTorch's separate tensor ops round the product first."""
     return jnp.where(p == p, p, _F32(jnp.nan))
 
 

@@ -87,10 +87,6 @@ def host(a) -> np.ndarray:
 
 
 @jax.jit
-def _pack(codes: jax.Array) -> jax.Array:
-    return pack_bits(codes, -1)
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def _pack6(codes: jax.Array, axis: int) -> jax.Array:
     return pack_fields(codes, 6, axis)
@@ -109,7 +105,7 @@ def _encode_array(x) -> tuple[dict, Any]:
         return spec | {"encoding": "packed", "axis": x.axis} | extra, x.data
     if _subbyte_bits(dtype):
         codes = jnp.reshape(x, (1,)) if not shape else x
-        return spec | {"encoding": "packed", "axis": codes.ndim - 1}, _pack(codes)
+        return spec | {"encoding": "packed", "axis": codes.ndim - 1}, pack_bits(codes, -1)
     if dtype.name in ST_CODES:
         return spec | {"encoding": "raw"}, x
     if dtype.itemsize in _UINTS:
