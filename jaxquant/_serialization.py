@@ -86,7 +86,9 @@ def host(a) -> np.ndarray:
 # --- tree -> tensors + header ------------------------------------------------------------
 
 
-@jax.jit
+_pack_last_axis = jax.jit(lambda codes: pack_bits(codes, -1))
+
+
 @functools.partial(jax.jit, static_argnums=1)
 def _pack6(codes: jax.Array, axis: int) -> jax.Array:
     return pack_fields(codes, 6, axis)
@@ -105,7 +107,7 @@ def _encode_array(x) -> tuple[dict, Any]:
         return spec | {"encoding": "packed", "axis": x.axis} | extra, x.data
     if _subbyte_bits(dtype):
         codes = jnp.reshape(x, (1,)) if not shape else x
-        return spec | {"encoding": "packed", "axis": codes.ndim - 1}, pack_bits(codes, -1)
+        return spec | {"encoding": "packed", "axis": codes.ndim - 1}, _pack_last_axis(codes)
     if dtype.name in ST_CODES:
         return spec | {"encoding": "raw"}, x
     if dtype.itemsize in _UINTS:
