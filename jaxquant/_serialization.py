@@ -15,7 +15,6 @@ safetensors files and orbax.
 
 from __future__ import annotations
 
-import functools
 import json
 import zlib
 from collections.abc import Callable
@@ -87,11 +86,7 @@ def host(a) -> np.ndarray:
 
 
 _pack_last_axis = jax.jit(lambda codes: pack_bits(codes, -1))
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def _pack6(codes: jax.Array, axis: int) -> jax.Array:
-    return pack_fields(codes, 6, axis)
+_pack_fields = jax.jit(pack_fields, static_argnums=(1, 2))
 
 
 def _encode_array(x) -> tuple[dict, Any]:
@@ -122,7 +117,7 @@ def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
     codes = qt.qvalue
     if qt.format.bits == 6 and not qt.packed and qt.ndim and qt.size:  # 4 codes in 3 bytes
         axis = qt.ndim - 1
-        codes = PackedArray(_pack6(codes, axis), np.dtype(codes.dtype), qt.shape, axis, 6)
+        codes = PackedArray(_pack_fields(codes, 6, axis), np.dtype(codes.dtype), qt.shape, axis, 6)
     add(join(path, "qvalue"), codes)
     entry = {"kind": "qtensor", "axis": qt.axis,
              "block_size": list(qt.block_size) if isinstance(qt.block_size, tuple)
