@@ -322,6 +322,7 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
       The state after the last batch; pass it to ``observer.compute``.
 
     Raises:
+      TypeError: ``batches`` is a single array (wrap it in a list: ``[x]``).
       ValueError: no batches and no ``state``.
 
     Example:
@@ -331,6 +332,10 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
       >>> float(state.max), int(state.count)
       (2.0, 3)
     """
+    if hasattr(batches, "__array__"):  # a NumPy or JAX array, not a list of them
+        raise TypeError(f"batches must be an iterable of arrays, got a single array of shape "
+                        f"{jnp.shape(batches)} (iterating it would observe its rows one by "
+                        f"one); pass [x] for one batch.")
     if progress:
         batches = progress_bar(batches, desc="calibrating", unit="batch")
     for x in batches:

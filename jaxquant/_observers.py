@@ -21,7 +21,7 @@ from jax.typing import ArrayLike
 
 from jaxquant._formats import get_format
 from jaxquant._granularity import group_reduce, layout_from_args
-from jaxquant._quantize import as_float_input
+from jaxquant._quantize import as_float_input, check_flags
 from jaxquant._scales import scale_from_range
 
 __all__ = ["Observer", "RangeState"]
@@ -107,6 +107,7 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range,
 
     def compute(state, *, dtype=jnp.int8, symmetric=True):
         _check_state(state, state_type)
+        check_flags(symmetric=symmetric)
         fmt = get_format(dtype)
         if not symmetric and not fmt.is_integer:
             raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "

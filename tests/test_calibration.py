@@ -480,3 +480,16 @@ def test_non_numbers_are_type_errors_naming_the_argument(make, name, value):
     with pytest.raises(TypeError, match=rf"{name} must be a (real )?number, got"):
         make(value)
     make(np.float32(0.5) if name == "averaging_constant" else np.float64(99.0))  # NumPy scalars
+
+
+def test_calibrate_refuses_a_single_array_and_compute_a_non_bool_symmetric():
+    obs = cal.minmax(axis=1)
+    x = np.arange(12.0, dtype=np.float32).reshape(3, 4)
+    for single in (x, jnp.asarray(x)):
+        with pytest.raises(TypeError, match=r"single array of shape \(3, 4\).*pass \[x\]"):
+            cal.calibrate(obs, single)
+    state = cal.calibrate(obs, [x])
+    with pytest.raises(TypeError, match="symmetric must be a bool.*'no'"):
+        obs.compute(state, dtype=jnp.uint8, symmetric="no")
+    with pytest.raises(TypeError, match="symmetric must be a bool"):
+        obs.compute(state, symmetric=1)
