@@ -358,3 +358,21 @@ def test_nnx_a_spec_that_does_not_fit_a_layer_names_the_layer():
                                          r"\(float32\[4, 3\]\) as its rule says: .*axis"):
         nnx_quantize(Two(), [("head", QuantConfig(weight=jq.QuantSpec(axis=2))),
                              ("", QuantConfig())])
+
+
+@pytest.mark.parametrize("extra", [{}, {"learn_scale": True}, {"int8_dot": True}, "einsum"])
+def test_nnx_qat_rule_that_does_not_fit_a_layer_names_the_layer(extra):
+    class Two(nnx.Module):
+        def __init__(self):
+            self.body = nnx.Linear(5, 4, rngs=nnx.Rngs(0))
+            self.head = (nnx.Einsum("bi,io->bo", (4, 3), rngs=nnx.Rngs(1)) if extra == "einsum"
+                         else nnx.Linear(4, 3, rngs=nnx.Rngs(1)))
+
+        def __call__(self, x):
+            return self.head(self.body(x))
+
+    kind = "Einsum" if extra == "einsum" else "Linear"
+    cfg = QuantConfig(weight=jq.QuantSpec(axis=2), **({} if extra == "einsum" else extra))
+    with pytest.raises(ValueError, match=rf"layer 'head' \({kind}\): .*axis must be in "
+                                         r"\[-2, 2\)"):
+        nnx_qat(Two(), [("head", cfg), ("", QuantConfig())])(jnp.ones((2, 5)))

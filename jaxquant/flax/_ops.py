@@ -32,7 +32,7 @@ from jaxquant._qtensor import QTensor, is_qtensor, scale_values
 from jaxquant._quantize import quantize
 from jaxquant._schemes import resolve
 from jaxquant._tree import QuantSpec
-from jaxquant.flax._rules import ActSpec
+from jaxquant.flax._rules import ActSpec, layer_errors
 
 __all__ = ["QATPromote", "QATDot", "QATEinsum", "InferDot", "InferEinsum", "InferConv",
            "DequantPromote", "embed_take", "einsum_contract", "explicit_einsum", "fake_quant_act",
@@ -154,6 +154,8 @@ class QATPromote:
         ``None`` for per-tensor.
       scale: ``None`` (computed scale) or a function of the kernel returning its
         learned ``(scale, zero_point)`` (``zero_point`` None: symmetric).
+      where: the layer, put in front of the errors of its rule (nnx; linen's
+        interceptor names it).
     """
 
     inner: Callable
@@ -161,16 +163,18 @@ class QATPromote:
     act: ActSpec | None
     contract: tuple[int, ...] | None
     scale: Callable | None = None
+    where: str = ""
 
     def __call__(self, *args, dtype=None, inexact: bool = True):
         as_tuple = len(args) == 1 and isinstance(args[0], tuple)
         items = list(args[0] if as_tuple else args)
         k = 1 if len(items) >= 2 else 0
-        if self.weight is not None and items[k] is not None:
-            s, z = (None, None) if self.scale is None else self.scale(items[k])
-            items[k] = fake_quant_weight(items[k], self.weight, s, z)
-        if self.act is not None and len(items) >= 2:
-            items[0] = fake_quant_act(items[0], self.act, self.contract)
+        with layer_errors(self.where):
+            if self.weight is not None and items[k] is not None:
+                s, z = (None, None) if self.scale is None else self.scale(items[k])
+                items[k] = fake_quant_weight(items[k], self.weight, s, z)
+            if self.act is not None and len(items) >= 2:
+                items[0] = fake_quant_act(items[0], self.act, self.contract)
         if as_tuple:
             return self.inner(tuple(items), dtype=dtype, inexact=inexact)
         return self.inner(*items, dtype=dtype, inexact=inexact)
@@ -186,13 +190,16 @@ class QATEinsum:
     Attributes:
       inner: the layer's own ``einsum_op``.
       act: the input's `ActSpec`.
+      where: the layer, put in front of errors.
     """
 
     inner: Callable
     act: ActSpec
+    where: str = ""
 
     def __call__(self, subscripts, lhs, rhs, *args, **kwargs):
-        lhs = fake_quant_act(lhs, self.act, einsum_contract(subscripts))
+        with layer_errors(self.where):
+            lhs = fake_quant_act(lhs, self.act, einsum_contract(subscripts))
         return self.inner(subscripts, lhs, rhs, *args, **kwargs)
 
 
@@ -212,19 +219,23 @@ class QATDot:
       act: the input's `ActSpec`, or ``None``.
       replaced: the layer's own ``(dot_general, dot_general_cls)``, not called;
         kept to undo the replacement.
+      where: the layer, put in front of errors.
     """
 
     weight: QuantSpec
     act: ActSpec | None
     replaced: tuple = (None, None)
+    where: str = ""
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
         from jaxquant._qat_dot import qat_dot_general  # imported when first used
 
         act = None if self.act is None else self.act.act_quant()
-        return qat_dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
-                               weight=self.weight, act=act, out_sharding=out_sharding)
+        with layer_errors(self.where):
+            return qat_dot_general(lhs, rhs, dimension_numbers, precision,
+                                   preferred_element_type, weight=self.weight, act=act,
+                                   out_sharding=out_sharding)
 
 
 def promoted_kernel(qt, dtype):

@@ -8,6 +8,7 @@ module path joined by ``/`` (linen ``ScanBlock_0/Dense_0``, nnx
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import re
@@ -24,7 +25,7 @@ from jaxquant._formats import CODEBOOKS, get_format
 from jaxquant._schemes import resolve
 from jaxquant._tree import QuantSpec
 
-__all__ = ["ActSpec", "QuantConfig", "Rules", "check_rules", "select", "unused"]
+__all__ = ["ActSpec", "QuantConfig", "Rules", "check_rules", "layer_errors", "select", "unused"]
 
 
 def _name(dtype) -> str:
@@ -224,3 +225,15 @@ def unused(paths, rules: Rules) -> list[tuple[str, QuantConfig | None]]:
         rules = [("", rules)]
     used = {select(p, checked)[1] for p in paths}
     return [rule for i, rule in enumerate(rules) if i not in used]
+
+
+@contextlib.contextmanager
+def layer_errors(where: str):
+    """Puts ``where`` (``"layer 'b' (Linear)"``) in front of a TypeError or ValueError
+    raised inside, so that a rule that does not fit a layer names the layer."""
+    try:
+        yield
+    except (TypeError, ValueError) as e:
+        if not where or type(e) not in (TypeError, ValueError):
+            raise
+        raise type(e)(f"{where}: {e}") from None

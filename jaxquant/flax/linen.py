@@ -40,7 +40,7 @@ from jaxquant.flax._ops import (
     init_qparams,
     learned_qtensor,
 )
-from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
+from jaxquant.flax._rules import QuantConfig, Rules, check_rules, layer_errors, select, unused
 
 __all__ = ["QuantizedLinen", "quantize_linen"]
 
@@ -133,12 +133,8 @@ def _interceptor(rules, record: dict | None = None):
         if cfg is None or (cfg.weight is None and cfg.act is None):
             y = next_fun(*args, **kwargs)
         else:
-            try:
+            with layer_errors(f"layer {path!r} ({type(m).__name__})"):
                 y = _qat(m, method, cfg, args, kwargs)
-            except (TypeError, ValueError) as e:
-                if type(e) not in (TypeError, ValueError):
-                    raise
-                raise type(e)(f"layer {path!r} ({type(m).__name__}): {e}") from None
         if record is not None:
             record[path] = (type(m).__name__, name, np.shape(get_param(m, name)), cfg)
         return y

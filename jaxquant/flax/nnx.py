@@ -35,7 +35,7 @@ from jaxquant.flax._ops import (
     init_qparams,
     learned_qtensor,
 )
-from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select, unused
+from jaxquant.flax._rules import QuantConfig, Rules, check_rules, layer_errors, select, unused
 
 __all__ = ["LearnedScale", "QuantizedParam", "nnx_input_grams", "nnx_layers", "nnx_qat",
            "nnx_quantize", "nnx_unused_rules"]
@@ -253,22 +253,23 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
         _unwire(layer)
         if cfg is None or (cfg.weight is None and cfg.act is None):
             continue
-        weight, act = cfg.weight, cfg.act
+        weight, act, where = cfg.weight, cfg.act, f"layer {path!r} ({type(layer).__name__})"
         if cfg.int8_dot and isinstance(layer, nnx.Linear | nnx.LinearGeneral):
             cls = getattr(layer, "dot_general_cls", None)
-            layer.dot_general = QATDot(weight, act, (layer.dot_general, cls))
+            layer.dot_general = QATDot(weight, act, (layer.dot_general, cls), where)
             if isinstance(layer, nnx.LinearGeneral):
                 layer.dot_general_cls = None
             weight = act = None
         if isinstance(layer, nnx.Einsum) and act is not None:  # per token of the call's string
-            layer.einsum_op = QATEinsum(layer.einsum_op, act)
+            layer.einsum_op = QATEinsum(layer.einsum_op, act, where)
             act = None
-        promote = QATPromote(layer.promote_dtype, weight, act, _contract(layer))
+        promote = QATPromote(layer.promote_dtype, weight, act, _contract(layer), where=where)
         if cfg.learn_scale:
             kernel = getattr(layer, _kernel_name(layer))[...]
             init = _stack(functools.partial(init_qparams, spec=weight),
                           _stacked(path, layer, kernel))
-            layer.promote_dtype = nnx.data(LearnedScale(promote, *init(kernel)))
+            with layer_errors(where):
+                layer.promote_dtype = nnx.data(LearnedScale(promote, *init(kernel)))
         else:
             layer.promote_dtype = nnx.static(promote)
     return model
