@@ -376,3 +376,32 @@ def test_nnx_qat_rule_that_does_not_fit_a_layer_names_the_layer(extra):
     with pytest.raises(ValueError, match=rf"layer 'head' \({kind}\): .*axis must be in "
                                          r"\[-2, 2\)"):
         nnx_qat(Two(), [("head", cfg), ("", QuantConfig())])(jnp.ones((2, 5)))
+
+
+class _Tied(nnx.Module):
+    """One Embed held at two paths: the lookup table and the output head (tied weights)."""
+
+    def __init__(self):
+        self.embed = nnx.Embed(11, 6, rngs=nnx.Rngs(0))
+        self.body = nnx.Linear(6, 6, rngs=nnx.Rngs(1))
+        self.head = self.embed
+
+    def __call__(self, tokens):
+        return self.head.attend(self.body(self.embed(tokens)))
+
+
+def test_nnx_shared_layer_rules_must_agree_across_its_paths():
+    int8 = QuantConfig(weight=jq.QuantSpec(axis=0))
+    disagree = [("head", int8), ("", None)]  # would have left the tied table float silently
+    for fn in (nnx_layers, nnx_unused_rules, nnx_qat, nnx_quantize):
+        with pytest.raises(ValueError, match=r"Embed at 'embed' is also reachable at 'head'.*"
+                                             r"'embed' None and 'head' QuantConfig"):
+            fn(_Tied(), disagree)
+    agree = [("head", int8), ("embed", int8), ("body", None)]
+    assert nnx_layers(_Tied(), agree) == {"embed": int8, "body": None}
+    assert nnx_unused_rules(_Tied(), agree) == []  # "head" selects the table at its own path
+    model, ref = _Tied(), _Tied()
+    ref.embed.embedding.set_value(jq.fake_quant(ref.embed.embedding[...], axis=0))
+    nnx_quantize(model, agree)
+    assert model.head is model.embed and jq.is_qtensor(model.head.embedding[...])
+    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, TOKENS), ref(TOKENS), atol=1e-5)

@@ -1,6 +1,6 @@
 """Quantization of ``flax.nnx`` models by module surgery.
 
-`nnx_qat` walks the model's graph (``nnx.iter_graph``) and, in each selected
+`nnx_qat` walks the model's graph (`jaxquant.flax._nnx_graph`) and, in each selected
 ``Linear``, ``LinearGeneral``, ``Conv``, ``Einsum`` or ``Embed``, replaces the
 layer's ``promote_dtype`` (fake quantization of kernel and input) or
 ``dot_general`` (the int8 training dot): the layers' own extension points, no
@@ -24,6 +24,7 @@ from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._boxes import qtensor_pspec
 from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel
+from jaxquant.flax._nnx_graph import covered_layers, layer_paths
 from jaxquant.flax._ops import (
     DequantPromote,
     InferConv,
@@ -35,13 +36,10 @@ from jaxquant.flax._ops import (
     init_qparams,
     learned_qtensor,
 )
-from jaxquant.flax._rules import QuantConfig, Rules, check_rules, layer_errors, select, unused
+from jaxquant.flax._rules import QuantConfig, Rules, layer_errors, unused
 
 __all__ = ["LearnedScale", "QuantizedParam", "nnx_input_grams", "nnx_layers", "nnx_qat",
            "nnx_quantize", "nnx_unused_rules"]
-
-LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.Einsum, nnx.Embed)
-
 
 class LearnedScale(nnx.Module):
     """A layer's ``promote_dtype`` whose kernel scale (LSQ) and, for an asymmetric
@@ -107,14 +105,6 @@ def _keep_sharding(layer, var, extra: int) -> None:
 
 def _kernel_name(layer) -> str:
     return "embedding" if isinstance(layer, nnx.Embed) else "kernel"
-
-
-def _walk(model, rules):
-    compiled = check_rules(rules)
-    for path, node in nnx.iter_graph(model):
-        if isinstance(node, LAYERS):
-            p = "/".join(str(k) for k in path)
-            yield p, node, select(p, compiled)[0]
 
 
 def _contract(layer):
@@ -190,7 +180,7 @@ def nnx_layers(model: nnx.Module, rules: Rules) -> dict[str, QuantConfig | None]
       >>> nnx_layers(model, [("layers/0", None)])
       {'layers/0': None}
     """
-    return {p: cfg for p, _, cfg in _walk(model, rules)}
+    return {p: cfg for p, _, cfg in covered_layers(model, rules)}
 
 
 def nnx_unused_rules(model: nnx.Module, rules: Rules) -> list:
@@ -201,7 +191,8 @@ def nnx_unused_rules(model: nnx.Module, rules: Rules) -> list:
       rules: as for `nnx_qat`.
 
     Returns:
-      The rules, as given, that are the first match of no layer.
+      The rules, as given, that are the first match of no layer (at any of
+      its paths: a shared layer has several).
 
     Example:
       >>> from flax import nnx
@@ -210,7 +201,8 @@ def nnx_unused_rules(model: nnx.Module, rules: Rules) -> list:
       >>> nnx_unused_rules(model, [("layers/0", QuantConfig()), ("head", None)])
       [('head', None)]
     """
-    return unused(nnx_layers(model, rules), rules)
+    nnx_layers(model, rules)  # malformed rules, disagreeing rules of a shared layer
+    return unused([p for paths in layer_paths(model).values() for p in paths], rules)
 
 
 def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
@@ -243,7 +235,7 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-    for path, layer, cfg in list(_walk(model, rules)):
+    for path, layer, cfg in list(covered_layers(model, rules)):
         if is_qtensor(getattr(layer, _kernel_name(layer))[...]):
             if cfg is None:
                 continue
@@ -302,7 +294,7 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
     """
     grams: dict = {}
     hooked = []
-    for path, layer, cfg in list(_walk(model, rules)):
+    for path, layer, cfg in list(covered_layers(model, rules)):
         if type(layer) is nnx.Linear and cfg is not None and cfg.weight is not None:
             hooked.append((layer, layer.dot_general))
             layer.dot_general = GramRecorder(layer.dot_general, grams, path)
@@ -363,7 +355,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
     """
     if not isinstance(model, nnx.Module):
         raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
-    layers = list(_walk(model, rules))
+    layers = list(covered_layers(model, rules))
     if grams is not None:
         check_gptq_layers(grams, {p: (cfg, np.ndim(getattr(layer, _kernel_name(layer))[...]))
                                   for p, layer, cfg in layers})
