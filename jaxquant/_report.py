@@ -22,7 +22,7 @@ import numpy as np
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
 from jaxquant._schemes import format_name
-from jaxquant._tree import is_record, path_str
+from jaxquant._tree import is_record, leaf_nbytes, path_str
 
 __all__ = ["LeafReport", "quantization_report", "format_report"]
 
@@ -81,12 +81,6 @@ def _granularity(qt: QTensor) -> str:
     if qt.block_size:
         return f"axis={qt.axis} block={qt.block_size}"
     return "per-tensor" if qt.axis is None else f"axis={qt.axis}"
-
-
-def _nbytes(leaf) -> int:
-    if is_record(leaf):  # a QTensor or PackedArray: the bytes it stores
-        return leaf.nbytes
-    return math.prod(np.shape(leaf)) * np.dtype(_dtype(leaf)).itemsize
 
 
 def _dtype(leaf) -> np.dtype:
@@ -168,8 +162,8 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
     leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_record)
     paths = [path_str(p) for p, _ in leaves]
     if qtree is None:
-        return [_row(path, leaf, leaf) for path, leaf in zip(paths, (v for _, v in leaves),
-                                                                strict=True)]
+        return [_row(path, leaf, leaf, alone=True) for path, (_, leaf) in zip(paths, leaves,
+                                                                             strict=True)]
     qleaves = jax.tree_util.tree_leaves_with_path(qtree, is_leaf=is_record)
     qpaths = [path_str(p) for p, _ in qleaves]
     if paths != qpaths:
@@ -202,16 +196,17 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
 
 
 def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan,
-         compared: bool = False) -> LeafReport:
+         compared: bool = False, *, alone: bool = False) -> LeafReport:
+    """The row of leaf ``q`` (``ref`` its original); ``alone``: no original was given."""
     if is_qtensor(q):
         fmt = format_name(q) + ("(packed)" if q.packed else "")
         gran, dtype = _granularity(q), np.dtype(q.dtype)
     else:
         fmt, gran, dtype = "-", "-", _dtype(q)
-    before = math.prod(q.shape) * dtype.itemsize if ref is q and is_qtensor(q) else _nbytes(ref)
+    before = math.prod(q.shape) * dtype.itemsize if alone and is_qtensor(q) else leaf_nbytes(ref)
     return LeafReport(path=path, shape=tuple(int(d) for d in np.shape(q)), format=fmt,
                       granularity=gran, dtype=dtype.name, nbytes_before=before,
-                      nbytes_after=_nbytes(q), sqnr_db=sqnr, max_abs_error=worst,
+                      nbytes_after=leaf_nbytes(q), sqnr_db=sqnr, max_abs_error=worst,
                       compared=compared)
 
 

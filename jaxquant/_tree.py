@@ -9,8 +9,9 @@ kept. Only floating-point leaves are ever quantized.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -180,15 +181,23 @@ def is_record(x) -> bool:
 
 
 def _check_rules(rules: Rules):
+    """``rules`` validated: ``None``, a `QuantSpec`, or a list of (compiled pattern, spec)."""
     if rules is None or isinstance(rules, QuantSpec):
         return rules
+    if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Iterable):
+        raise TypeError(f"rules must be None, a QuantSpec or a sequence of (pattern, QuantSpec "
+                        f"| None) pairs, got {type(rules).__name__}: {rules!r}.")
     checked = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
                 and (rule[1] is None or isinstance(rule[1], QuantSpec))):
             raise TypeError(f"rules[{i}] must be a (pattern: str, QuantSpec | None) pair, "
                             f"got {rule!r}.")
-        checked.append((re.compile(rule[0]), rule[1]))
+        try:
+            checked.append((re.compile(rule[0]), rule[1]))
+        except re.error as e:
+            raise ValueError(f"rules[{i}]: pattern {rule[0]!r} is not a valid regular "
+                             f"expression: {e}.") from e
     return checked
 
 
@@ -220,6 +229,7 @@ def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
 
     Raises:
       TypeError: a malformed rule.
+      ValueError: a pattern that is not a regular expression.
 
     Example:
       >>> tree = {"dense": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}}
@@ -246,6 +256,7 @@ def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
 
     Raises:
       TypeError: a malformed rule.
+      ValueError: a pattern that is not a regular expression.
 
     Example:
       >>> unused_rules({"w": jnp.ones((2, 2))}, [("w", QuantSpec()), ("kernal", None)])
@@ -257,7 +268,8 @@ def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
     used = set()
     for p, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_record):
         used.add(_select(path_str(p), leaf, checked)[1])
-    return [rule for i, rule in enumerate(rules) if i not in used]
+    # from ``checked``: ``rules`` may be an iterator, consumed by the check
+    return [(pattern.pattern, spec) for i, (pattern, spec) in enumerate(checked) if i not in used]
 
 
 def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> Any:
@@ -285,6 +297,8 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
 
     Raises:
       TypeError: a malformed rule.
+      ValueError: a pattern that is not a regular expression; or, naming the leaf, a
+        spec that does not fit it (as `jaxquant.quantize`).
 
     Example:
       >>> import jaxquant as jq
@@ -336,11 +350,21 @@ def dequantize_tree(tree: Any) -> Any:
                         is_leaf=is_qtensor)
 
 
+def leaf_nbytes(leaf) -> int:
+    """Storage bytes of one leaf: `QTensor.nbytes` / `PackedArray.nbytes` for a record,
+    else ``size * itemsize`` of the leaf as a NumPy array (a Python float: 8)."""
+    if is_record(leaf):
+        return leaf.nbytes
+    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+    return math.prod(np.shape(leaf)) * np.dtype(dtype).itemsize
+
+
 def tree_nbytes(tree: Any) -> int:
     """Storage bytes of a tree, counting `QTensor` leaves at their real cost.
 
     Args:
-      tree: a pytree of arrays (jax or NumPy) and `QTensor` leaves.
+      tree: a pytree of arrays (jax or NumPy), `QTensor` leaves, and other leaves
+        that `quantize_tree` keeps (Python numbers: the bytes of their NumPy array).
 
     Returns:
       The sum of ``size * itemsize`` of the arrays and `QTensor.nbytes` (codes
@@ -350,8 +374,4 @@ def tree_nbytes(tree: Any) -> int:
       >>> tree_nbytes({"w": jnp.ones((4, 8)), "q": quantize(jnp.ones((4, 8)), axis=1)})
       192
     """
-    total = 0
-    for leaf in jax.tree.leaves(tree, is_leaf=is_qtensor):
-        total += leaf.nbytes if is_qtensor(leaf) else int(np.prod(np.shape(leaf))) * \
-            np.dtype(leaf.dtype).itemsize
-    return total
+    return sum(leaf_nbytes(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_record))

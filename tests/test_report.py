@@ -200,3 +200,19 @@ def test_statistics_of_very_large_and_very_small_leaves_match_numpy(magnitude):
     assert 35 < sqnr < 50
     assert row.sqnr_db == pytest.approx(sqnr, abs=1e-3)
     assert row.max_abs_error == pytest.approx(worst, rel=1e-5)
+
+
+def test_a_leaf_already_quantized_counts_its_stored_bytes_eagerly_and_under_jit():
+    """A QTensor already in ``tree`` (kept by quantize_tree) stored 4*8 int8 codes and 8
+    float32 scales before and after; the figure must not depend on whether quantize_tree
+    handed back the same object (eager) or a rebuilt one (jit)."""
+    w = jnp.ones((4, 8))
+    tree = {"q": jq.quantize(w, axis=1), "w": w}
+    stored = 4 * 8 * 1 + 8 * 4
+    for qtree in (jq.quantize_tree(tree), jax.jit(jq.quantize_tree)(tree)):
+        rows = {r.path: r for r in quantization_report(tree, qtree)}
+        assert rows["q"].nbytes_before == rows["q"].nbytes_after == stored
+        assert rows["w"].nbytes_before == 4 * 8 * 4
+        assert sum(r.nbytes_before for r in rows.values()) == stored + 4 * 8 * 4
+    alone = {r.path: r for r in quantization_report(tree)}
+    assert alone["q"].nbytes_before == 4 * 8 * 4  # described alone: its float size

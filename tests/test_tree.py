@@ -137,3 +137,33 @@ def test_spec_takes_the_contract_fields_positionally():
     qt = spec(jnp.asarray(x))
     assert (qt.axis, qt.block_size, qt.zero_point is not None) == (0, 4, True)
     assert jq.QuantSpec() == jq.QuantSpec(jnp.int8, -1, None, True)
+
+
+def test_a_malformed_pattern_or_rules_value_names_the_argument():
+    w = {"w": jnp.ones((2, 2))}
+    with pytest.raises(ValueError, match=r"rules\[1\]: pattern 'ker\(nel' is not a valid regular "
+                                         r"expression: missing \)"):
+        jq.quantize_tree(w, [("w", None), ("ker(nel", jq.QuantSpec())])
+    with pytest.raises(ValueError, match=r"rules\[0\]: pattern '\[' is not a valid"):
+        jq.match_rules(w, [("[", None)])
+    with pytest.raises(TypeError, match=r"rules must be None, a QuantSpec or a sequence of "
+                                        r"\(pattern, QuantSpec \| None\) pairs, got int: 3"):
+        jq.quantize_tree(w, 3)
+
+
+def test_unused_rules_takes_rules_given_once_as_an_iterator():
+    tree = {"kernel": jnp.ones((2, 2))}
+    rules = [("kernel", jq.QuantSpec()), ("kernal", None)]
+    assert jq.unused_rules(tree, iter(rules)) == [("kernal", None)]
+    assert jq.unused_rules(tree, (r for r in rules)) == [("kernal", None)]
+
+
+def test_tree_nbytes_of_python_scalar_and_string_leaves():
+    """quantize_tree keeps Python numbers (and strings); their bytes are those of the NumPy
+    array they convert to, as in the report's rows."""
+    tree = {"lr": 0.5, "step": 3, "name": "abc", "w": np.ones((2, 3), np.float32), "n": None}
+    expected = 8 + 8 + np.asarray("abc").nbytes + 2 * 3 * 4
+    assert jq.tree_nbytes(tree) == expected
+    assert jq.tree_nbytes(jq.quantize_tree(tree)) == 8 + 8 + np.asarray("abc").nbytes + 2 * 3 + 3 * 4
+    rows = jq.quantization_report(tree)
+    assert sum(r.nbytes_before for r in rows) == expected
