@@ -37,7 +37,9 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
       The einsum, its axes in the output letters' order.
 
     Raises:
-      ValueError: subscripts outside this two-operand form, or not matching the ranks.
+      TypeError: ``subscripts`` not a string.
+      ValueError: subscripts outside this two-operand form, not matching the ranks, or
+        a letter with different sizes in ``lhs`` and ``rhs``.
 
     Example:
       >>> import jaxquant as jq
@@ -45,6 +47,9 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
       >>> qeinsum("ij,bi->bj", w, jnp.array([[1.0, 3.0]]))
       Array([[ 2.5, 10. ]], dtype=float32)
     """
+    if not isinstance(subscripts, str):
+        raise TypeError(f"subscripts must be a str like 'ab,bc->ac', got "
+                        f"{type(subscripts).__name__}.")
     m = re.fullmatch(r"\s*([a-zA-Z]*)\s*,\s*([a-zA-Z]*)\s*(?:->\s*([a-zA-Z]*)\s*)?", subscripts)
     if m is None:
         raise ValueError(f"subscripts must look like 'ab,bc->ac' (two operands, letters only, "
@@ -62,6 +67,11 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
     if (set(a) ^ set(b)) - set(out) or set(out) - set(a + b):
         raise ValueError(f"in {subscripts!r}, every letter of only one operand must be in the "
                          f"output and every output letter in an operand.")
+    shapes = [op.shape if _is_q(op) else jnp.shape(op) for op in (lhs, rhs)]
+    for i, c in enumerate(a):
+        if c in b and shapes[0][i] != shapes[1][b.index(c)]:
+            raise ValueError(f"in {subscripts!r}, {c!r} has size {shapes[0][i]} in lhs but "
+                             f"{shapes[1][b.index(c)]} in rhs.")
     batch = [c for c in a if c in b and c in out]
     contract = [c for c in a if c in b and c not in out]
     dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),

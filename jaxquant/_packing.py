@@ -35,11 +35,11 @@ __all__ = ["PackedArray", "pack", "unpack", "pack_bits", "unpack_bits", "pack_fi
 _UNSIGNED = {2: jnp.uint2, 4: jnp.uint4}
 
 
-def _check_packable(dtype) -> int:
+def _check_packable(dtype, argname: str) -> int:
     fmt = get_format(dtype)
     if fmt.bits not in (2, 4):
         raise TypeError(
-            f"only 2- and 4-bit formats are packed, got {fmt.name} ({fmt.bits} bits)."
+            f"{argname}: only 2- and 4-bit formats are packed, got {fmt.name} ({fmt.bits} bits)."
         )
     return fmt.bits
 
@@ -143,7 +143,7 @@ def pack_bits(codes: jax.Array, axis: int = -1) -> jax.Array:
       >>> pack_bits(jnp.array([1, -1, 7], jnp.int4))
       Array([241,   7], dtype=uint8)
     """
-    bits = _check_packable(codes.dtype)
+    bits = _check_packable(codes.dtype, "codes")
     if codes.ndim == 0:
         raise ValueError("codes must have at least one dimension to be packed, got a scalar.")
     axis = normalize_axis(axis, codes.ndim)
@@ -164,16 +164,21 @@ def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1
       The codes, of ``dtype``, bit for bit those that were packed.
 
     Raises:
-      TypeError: if ``packed`` is not uint8 or ``dtype`` is not a 2- or 4-bit format.
-      ValueError: if ``length`` does not fit the packed size.
+      TypeError: if ``packed`` is not uint8, ``dtype`` is not a 2- or 4-bit format or
+        ``length`` is not an int.
+      ValueError: if ``packed`` is a scalar or ``length`` does not fit the packed size.
 
     Example:
       >>> unpack_bits(jnp.array([241, 7], jnp.uint8), jnp.int4, 3)
       Array([1, -1, 7], dtype=int4)
     """
-    bits = _check_packable(dtype)
+    bits = _check_packable(dtype, "dtype")
     if packed.dtype != jnp.uint8:
         raise TypeError(f"packed must be a uint8 array, got dtype {packed.dtype}.")
+    if packed.ndim == 0:
+        raise ValueError("packed must have at least one dimension, got a scalar.")
+    if isinstance(length, bool | np.bool_) or not isinstance(length, int | np.integer):
+        raise TypeError(f"length must be an int, got {length!r}.")
     axis = normalize_axis(axis, packed.ndim)
     u = unpack_fields(packed, bits, length, axis)
     return lax.bitcast_convert_type(u.astype(_UNSIGNED[bits]), dtype)
@@ -254,6 +259,7 @@ def pack(x, axis: int = -1):
     Raises:
       TypeError: for formats wider than 4 bits (6-bit float6 QTensors are packed
         four codes per three bytes).
+      ValueError: for a scalar, or ``axis`` out of range.
 
     Example:
       >>> import jaxquant as jq
@@ -270,8 +276,9 @@ def pack(x, axis: int = -1):
             return dataclasses.replace(x, qvalue=PackedArray(data, np.dtype(x.qvalue.dtype),
                                                              tuple(x.shape), a, 6))
         return dataclasses.replace(x, qvalue=pack(x.qvalue, axis))
-    axis = normalize_axis(axis, x.ndim)
-    return PackedArray(pack_bits(x, axis), np.dtype(x.dtype), tuple(x.shape), axis)
+    x = jnp.asarray(x)
+    data = pack_bits(x, axis)  # checks the format and the rank first
+    return PackedArray(data, np.dtype(x.dtype), tuple(x.shape), normalize_axis(axis, x.ndim))
 
 
 def unpack(x):

@@ -117,7 +117,7 @@ def _rows(qt: QTensor, start, rows: int) -> QTensor:
 def _split_layout(op, contract: tuple, batch: tuple) -> Layout | None:
     """The per-phase layout of packed integer codes that can be multiplied phase by phase."""
     if not (_is_q(op) and op.packed and op.format.is_integer) or op.qvalue.axis in batch \
-            or _is_q(op.scale) or op.layout.kind == "tile":
+            or _is_q(op.scale) or op.layout.kind == "tile" or op.shape[op.qvalue.axis] == 0:
         return None
     layout, per = op.layout, 8 // op.format.bits
     if layout.kind == "block" and layout.axis == op.qvalue.axis:
@@ -166,13 +166,19 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
     """``lax.dot_general(lhs, rhs, dims, ...)`` with `QTensor` operands dequantized (traceable).
 
     ``dims`` is normalized (tuples of non-negative ints); no argument checks.
-    A QTensor is dequantized to the other operand's dtype (its own ``dtype``
-    when both are QTensors).
+    A QTensor is dequantized to the other operand's dtype (to both QTensors'
+    promoted ``dtype`` when both are). Phases of packed codes along the
+    contraction are summed in float32 at least, then rounded once.
     """
     contract, batch = dims
+    if _is_q(lhs) and _is_q(rhs):
+        with jax.numpy_dtype_promotion("standard"):
+            dtype = jnp.promote_types(lhs.dtype, rhs.dtype)
+    else:
+        dtype = (rhs if _is_q(lhs) else lhs).dtype
 
     def dot(*ops, preferred=preferred_element_type):
-        def float_dot(a, b):
+        def float_dot(a, b, preferred=preferred):
             return lax.dot_general(a, b, dims, precision=precision,
                                    preferred_element_type=preferred, out_sharding=out_sharding)
 
@@ -180,11 +186,12 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         split = [i for i in (0, 1) if _split_layout(ops[i], contract[i], batch[i])][:1]
         for i in (0, 1):
             if _is_q(ops[i]) and i not in split:
-                dtype = ops[i].dtype if _is_q(ops[1 - i]) else ops[1 - i].dtype
                 ops[i] = dequantize_values(_gemm_ready(ops[i])).astype(dtype)
         if not split:
             return float_dot(*ops)
         (i,), qt, other = split, ops[split[0]], ops[1 - split[0]]
+        out = np.dtype(preferred or dtype)
+        acc = out if out.itemsize >= 4 else np.dtype(np.float32)  # one rounding of the sum
         p, per = qt.qvalue.axis, 8 // qt.format.bits
         m = qt.qvalue.data.shape[p]
         layout = _split_layout(qt, contract[i], batch[i])
@@ -195,11 +202,12 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
             other = jnp.pad(other, pad)
         ys = []
         for j in range(per):
-            w = _phase(qt, j, layout).astype(other.dtype)
+            w = _phase(qt, j, layout).astype(dtype)
             o = lax.slice_in_dim(other, j, None, per, c) if p in contract[i] else other
-            ys.append(float_dot(o, w) if i else float_dot(w, o))
+            pref = acc if p in contract[i] else preferred
+            ys.append(float_dot(o, w, pref) if i else float_dot(w, o, pref))
         if p in contract[i]:
-            return functools.reduce(jnp.add, ys)
+            return functools.reduce(jnp.add, ys).astype(out)
         free = [d for d in range(qt.ndim) if d not in contract[i] and d not in batch[i]]
         nfree0 = lhs.ndim - len(contract[0]) - len(batch[0])
         k = len(batch[i]) + (nfree0 if i else 0) + free.index(p)  # p's axis in the output

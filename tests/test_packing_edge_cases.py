@@ -1,0 +1,68 @@
+"""Packing on edge inputs: a NumPy bit-by-bit reference for every format and axis, scalars,
+empty arrays, jit, and argument errors that name the argument."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+PACKABLE = {"int2": 2, "uint2": 2, "int4": 4, "uint4": 4, "float4_e2m1fn": 4}
+
+
+def _np_pack(fields, bits, axis):
+    """ONNX's layout along ``axis``, one code at a time in int64: code i in byte i // per."""
+    per, moved = 8 // bits, np.moveaxis(fields.astype(np.int64), axis, -1)
+    out = np.zeros(moved.shape[:-1] + (-(-moved.shape[-1] // per),), np.int64)
+    for i in range(moved.shape[-1]):
+        out[..., i // per] |= moved[..., i] << (bits * (i % per))
+    return np.moveaxis(out, -1, axis).astype(np.uint8)
+
+
+@pytest.mark.parametrize("fmt", PACKABLE)
+@pytest.mark.parametrize("shape", [(1,), (7,), (0,), (3, 0), (2, 0, 3), (4, 3, 5)])
+def test_pack_matches_numpy_on_every_axis_under_jit(fmt, shape):
+    bits = PACKABLE[fmt]
+    fields = np.random.default_rng(len(shape)).integers(0, 1 << bits, shape).astype(np.uint8)
+    unsigned = {2: ml_dtypes.uint2, 4: ml_dtypes.uint4}[bits]
+    codes = jnp.asarray(fields.astype(unsigned).view(getattr(ml_dtypes, fmt)))
+    for axis in range(-len(shape), len(shape)):
+        expected = _np_pack(fields, bits, axis % len(shape))
+        packed = jax.jit(lambda c, axis=axis: jq.pack(c, axis))(codes)
+        np.testing.assert_array_equal(np.asarray(packed.data), expected)
+        back = jax.jit(jq.unpack)(packed)
+        assert back.dtype == codes.dtype and back.shape == shape
+        np.testing.assert_array_equal(np.asarray(back).view(np.uint8) & ((1 << bits) - 1),
+                                      fields)
+        unpacked = jq.unpack_bits(jnp.asarray(expected), codes.dtype, shape[axis], axis)
+        np.testing.assert_array_equal(np.asarray(unpacked).view(np.uint8) & ((1 << bits) - 1),
+                                      fields)
+
+
+def test_pack_scalar_names_the_problem():
+    with pytest.raises(ValueError, match="codes must have at least one dimension"):
+        jq.pack(jnp.zeros((), jnp.int4))
+    with pytest.raises(ValueError, match="packed must have at least one dimension"):
+        jq.unpack_bits(jnp.zeros((), jnp.uint8), jnp.int4, 1)
+
+
+def test_pack_a_list_is_a_type_error_naming_the_format():
+    with pytest.raises(TypeError, match=r"codes: only 2- and 4-bit formats are packed, got int32"):
+        jq.pack([1, 2, 3])
+
+
+def test_format_errors_name_the_argument():
+    with pytest.raises(TypeError, match=r"codes: only 2- and 4-bit formats .* got int8 \(8 bits\)"):
+        jq.pack(jnp.zeros(4, jnp.int8))
+    with pytest.raises(TypeError, match=r"dtype: only 2- and 4-bit formats .* got int8 \(8 bits\)"):
+        jq.unpack_bits(jnp.zeros(4, jnp.uint8), jnp.int8, 4)
+
+
+@pytest.mark.parametrize("length", [6.0, True, np.float32(6)])
+def test_unpack_bits_length_must_be_an_int(length):
+    with pytest.raises(TypeError, match=re.escape(f"length must be an int, got {length!r}")):
+        jq.unpack_bits(jnp.zeros(3, jnp.uint8), jnp.int4, length)
