@@ -41,6 +41,7 @@ from jaxquant.flax._rules import QuantConfig, Rules, layer_errors, unused
 __all__ = ["LearnedScale", "QuantizedParam", "nnx_input_grams", "nnx_layers", "nnx_qat",
            "nnx_quantize", "nnx_unused_rules"]
 
+
 class LearnedScale(nnx.Module):
     """A layer's ``promote_dtype`` whose kernel scale (LSQ) and, for an asymmetric
     spec, zero point (LSQ+) are ``nnx.Param`` s.
