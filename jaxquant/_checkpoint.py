@@ -8,8 +8,9 @@ self-describing. In a safetensors file the header is ``__metadata__["jaxquant"]`
 An orbax checkpoint holds the same tensors as a list of arrays saved with orbax's
 `StandardCheckpointer` (which also covers the uint4/uint2 that its TensorStore
 cannot store) and the header as its ``custom_metadata``; stored arrays keep their
-sharding through the save, and on load those whose target leaf has a sharding
-are restored straight onto it, the rest onto one device and then placed. Orbax
+sharding through the save (but for sharded sub-byte codes, gathered to be packed),
+and on load those whose target leaf has a sharding are restored straight onto it,
+the rest onto one device and then placed. Orbax
 refuses empty arrays: those are not stored (the header says what they were).
 safetensors and orbax are optional dependencies (``pip install 'jaxquant[io]'``,
 ``'jaxquant[orbax]'``), imported only when used. With ``progress=True`` every save and
@@ -26,7 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from jaxquant._decoding import build, verify
+from jaxquant._decoding import build, placements, sharding_of, verify
 from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
 from jaxquant._serialization import (
@@ -35,10 +36,8 @@ from jaxquant._serialization import (
     encode,
     header_metadata,
     is_jaxquant,
-    placements,
     plan,
     read_header,
-    sharding_of,
     storage,
 )
 
@@ -91,6 +90,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
         (it is optional; without it nothing is shown). Default: silent.
 
     Raises:
+      FileNotFoundError: the directory of ``path`` does not exist.
       TypeError: a leaf that is not an array, or bad ``metadata``.
       ValueError: two leaves whose paths (or tensor names) coincide; a reserved
         metadata key.
@@ -106,10 +106,12 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
       (QTensor(int4[4, 8], per-tensor, scale[], dtype=float32), dtype(bfloat16))
     """
     safetensors = _safetensors()
+    path = os.fspath(path)
+    if not os.path.isdir(parent := os.path.dirname(os.path.abspath(path))):
+        raise FileNotFoundError(f"{path}: no directory {parent!r} to write the file into.")
     with _save_bar(tree, progress) as bar:
         header, tensors = encode(tree, to_host=True, on_tensor=bar.update)
         meta = header_metadata(header, metadata)
-        path = os.fspath(path)
         tmp = f"{path}.tmp{os.getpid()}"
         bar.set_postfix_str("writing")
         try:
@@ -146,6 +148,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
       off and no target places them), `QTensor` and `PackedArray` leaves.
 
     Raises:
+      FileNotFoundError, IsADirectoryError: ``path`` is missing, or a directory.
       ValueError: a truncated or corrupted file (bad header, tensor, or CRC-32),
         an unknown format version, a key of the target missing from the file,
         an extra key in the file, a shape or QTensor metadata mismatch.
@@ -164,6 +167,9 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
     """
     safetensors = _safetensors()
     where = os.fspath(path)
+    if os.path.isdir(where):
+        raise IsADirectoryError(f"{where}: is a directory, not a safetensors file (load_orbax "
+                                f"reads an orbax checkpoint directory).")
     try:
         with safetensors.safe_open(where, framework="np") as f:
             meta = f.metadata() or {}

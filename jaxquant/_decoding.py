@@ -4,7 +4,8 @@ The second half of the checkpoint layout of `jaxquant._serialization`: `verify`
 checks each stored tensor's dtype, shape and CRC-32 against its header entry,
 `build` decodes them (unpacking 2-, 4- and 6-bit codes, undoing bitcasts) into
 the planned tree, QTensor scales that are QTensors themselves included, and
-`nest` rebuilds nested dicts from ``/``-joined paths when there is no target.
+`nest` rebuilds nested dicts from ``/``-joined paths when there is no target;
+`placements` and `sharding_of` say where each stored tensor of a target goes.
 """
 
 from __future__ import annotations
@@ -16,10 +17,10 @@ import jax
 import numpy as np
 
 from jaxquant._packing import PackedArray, unpack_bits, unpack_fields
-from jaxquant._qtensor import QTensor
-from jaxquant._serialization import block_size_of, crc32, join, placements, sharding_of, storage
+from jaxquant._qtensor import QTensor, is_qtensor
+from jaxquant._serialization import block_size_of, crc32, join, storage
 
-__all__ = ["verify", "build", "nest"]
+__all__ = ["verify", "build", "nest", "placements", "sharding_of"]
 
 
 def verify(where: str, key: str, spec: dict, stored_dtype: str, stored_shape, data) -> None:
@@ -133,3 +134,24 @@ def nest(where: str, flat: dict[str, Any]) -> Any:
                              f"another leaf's path; pass target= with the tree's structure.")
         node[last] = value
     return root
+
+
+def placements(path: str, entry: dict, t) -> dict[str, Any]:
+    """Stored tensor name -> the target array (or PackedArray) that says where it goes."""
+    if t is None:
+        return {}
+    if entry["kind"] != "qtensor":
+        return {path: t}
+    out = {}
+    for n in ("qvalue", "scale", "zero_point"):
+        v = getattr(t, n)
+        if is_qtensor(v):
+            out |= placements(join(path, n), entry[n], v)
+        elif v is not None:
+            out[join(path, n)] = v
+    return out
+
+
+def sharding_of(t):
+    """The sharding a target array asks for (``None``: the default device)."""
+    return getattr(t.data if isinstance(t, PackedArray) else t, "sharding", None)

@@ -25,17 +25,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant._formats import FORMATS
-from jaxquant._packing import (
-    PackedArray,
-    pack_bits,
-    pack_fields,
-    packed_length,
-)
+from jaxquant._packing import PackedArray, pack_bits, pack_fields, packed_length
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import is_record, path_str
 
-__all__ = ["encode", "header_metadata", "is_jaxquant", "read_header", "plan", "placements",
-           "sharding_of", "storage", "crc32", "block_size_of", "join", "ST_CODES", "HEADER_KEY"]
+__all__ = ["encode", "header_metadata", "is_jaxquant", "read_header", "plan", "storage", "crc32",
+           "block_size_of", "join", "ST_CODES", "HEADER_KEY"]
 
 FORMAT_NAME = "jaxquant.checkpoint"
 FORMAT_VERSION = 2  # 2: codebook QTensors and QTensor scales (two-level); reads 1 and 2
@@ -78,6 +73,8 @@ def crc32(a) -> int:
 
 def host(a) -> np.ndarray:
     """``a`` as a contiguous little-endian NumPy array (gathers a sharded jax.Array)."""
+    if isinstance(a, jax.Array) and not a.size:  # np.asarray fails on jit's sharded empties
+        return np.zeros(a.shape, a.dtype)
     a = np.asarray(a, order="C")  # not ascontiguousarray: it makes scalars 1-D
     return a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
 
@@ -89,19 +86,34 @@ _pack_last_axis = jax.jit(lambda codes: pack_bits(codes, -1))
 _pack_fields = jax.jit(pack_fields, static_argnums=(1, 2))
 
 
-def _encode_array(x) -> tuple[dict, Any]:
-    """The header entry of one array and the array to store."""
+def _one_device(codes):
+    """``codes``, gathered to the host if sharded (and so packed on the default device): a
+    shard may hold part of a byte, and a mesh with explicit axes refuses packing's reshape."""
+    if isinstance(codes, jax.Array) and len(codes.sharding.device_set) > 1:
+        return host(codes)
+    return codes
+
+
+def _encode_array(key: str, x) -> tuple[dict, Any]:
+    """The header entry of the tensor ``key`` and the array to store.
+
+    Raises:
+      TypeError: ``x`` is abstract, a PRNG key array, or of a dtype no safetensors dtype fits.
+    """
     if isinstance(x, np.generic):
         x = np.asarray(x)
     if not isinstance(x.data if isinstance(x, PackedArray) else x, (jax.Array, np.ndarray)):
-        raise TypeError(f"only concrete arrays can be saved, got {type(x).__name__}.")
+        raise TypeError(f"{key!r}: only concrete arrays can be saved, got {type(x).__name__}.")
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        raise TypeError(f"{key!r}: cannot store a PRNG key array ({x.dtype}); save "
+                        f"jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data.")
     dtype, shape = np.dtype(x.dtype), tuple(x.shape)
     spec: dict[str, Any] = {"dtype": dtype.name, "shape": list(shape)}
     if isinstance(x, PackedArray):
         extra = {"bits": x.bits} if x.bits else {}
         return spec | {"encoding": "packed", "axis": x.axis} | extra, x.data
     if _subbyte_bits(dtype):
-        codes = jnp.reshape(x, (1,)) if not shape else x
+        codes = _one_device(jnp.reshape(x, (1,)) if not shape else x)
         return spec | {"encoding": "packed", "axis": codes.ndim - 1}, _pack_last_axis(codes)
     if dtype.name in ST_CODES:
         return spec | {"encoding": "raw"}, x
@@ -109,7 +121,8 @@ def _encode_array(x) -> tuple[dict, Any]:
         uint = _UINTS[dtype.itemsize]
         data = x.view(uint) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, uint)
         return spec | {"encoding": "bitcast"}, data
-    raise TypeError(f"cannot store dtype {dtype.name}: no safetensors dtype of its width.")
+    raise TypeError(f"{key!r}: cannot store dtype {dtype.name}: no safetensors dtype of its "
+                    f"width.")
 
 
 def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
@@ -117,7 +130,8 @@ def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
     codes = qt.qvalue
     if qt.format.bits == 6 and not qt.packed and qt.ndim and qt.size:  # 4 codes in 3 bytes
         axis = qt.ndim - 1
-        codes = PackedArray(_pack_fields(codes, 6, axis), np.dtype(codes.dtype), qt.shape, axis, 6)
+        codes = PackedArray(_pack_fields(_one_device(codes), 6, axis), np.dtype(codes.dtype),
+                            qt.shape, axis, 6)
     add(join(path, "qvalue"), codes)
     entry = {"kind": "qtensor", "axis": qt.axis,
              "block_size": list(qt.block_size) if isinstance(qt.block_size, tuple)
@@ -156,7 +170,7 @@ def encode(tree: Any, *, to_host: bool,
         if key in specs:
             raise ValueError(f"two tensors would be stored under the name {key!r}; rename one "
                              f"of the tree keys so that their '/'-joined paths differ.")
-        spec, data = _encode_array(x)
+        spec, data = _encode_array(key, x)
         h = host(data)
         specs[key], tensors[key] = spec | {"crc32": crc32(h)}, (h if to_host else data)
         if on_tensor is not None:
@@ -204,17 +218,25 @@ def _metadata_crc(meta: dict[str, str]) -> str:
 
 
 def storage(spec: dict) -> tuple[np.dtype, tuple[int, ...]]:
-    """The dtype and shape a tensor is stored with, from its header entry."""
-    dtype, shape = np.dtype(spec["dtype"]), tuple(int(n) for n in spec["shape"])
-    encoding = spec["encoding"]
+    """The dtype and shape a tensor is stored with, from its header entry (ValueError for
+    one `encode` never writes: a bad shape, packed axis, or encoding for the dtype)."""
+    dtype, shape, encoding = np.dtype(spec["dtype"]), spec["shape"], spec["encoding"]
+    if not isinstance(shape, (list, tuple)) or any(type(n) is not int or n < 0 for n in shape):
+        raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
+    shape = tuple(shape)
     if encoding == "raw" and dtype.name in ST_CODES:
         return dtype, shape
-    if encoding == "bitcast" and dtype.itemsize in _UINTS:
+    if (encoding == "bitcast" and dtype.name not in ST_CODES and not _subbyte_bits(dtype)
+            and dtype.itemsize in _UINTS and jnp.issubdtype(dtype, jnp.number)):
         return np.dtype(_UINTS[dtype.itemsize]), shape
-    bits = spec.get("bits") or _subbyte_bits(dtype)
-    if encoding == "packed" and bits in (2, 4, 6):
+    bits = spec.get("bits")  # 6 for float6 codes (uint8); 2- and 4-bit formats have none
+    if encoding == "packed" and (bits == 6 and type(bits) is int and dtype == np.uint8
+                                 or bits is None and _subbyte_bits(dtype)):
+        bits = bits or _subbyte_bits(dtype)
         stored = list(shape) or [1]
         axis = spec["axis"]
+        if type(axis) is not int or not 0 <= axis < len(stored):
+            raise ValueError(f"packed axis {axis!r} is out of range for shape {list(shape)}")
         stored[axis] = packed_length(stored[axis], bits)
         return np.dtype(np.uint8), tuple(stored)
     raise ValueError(f"no {encoding!r} storage for dtype {dtype.name}")
@@ -272,15 +294,16 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
     if got != FORMAT_NAME:
         raise ValueError(f"{where}: corrupted jaxquant header: expected format "
                          f"{FORMAT_NAME!r}, got {got!r}.")
-    if type(header.get("version")) is not int or header["version"] not in _READABLE:
-        readable = ", ".join(map(str, _READABLE))
-        raise ValueError(f"{where}: unknown jaxquant checkpoint version {header.get('version')!r}; "
-                         f"this jaxquant reads versions {readable} (a newer file needs a "
-                         f"newer jaxquant).")
-    crc = _metadata_crc(meta)
-    if meta.get(HEADER_CRC_KEY) != crc:
+    version, crc = header.get("version"), _metadata_crc(meta)
+    newer = type(version) is int and version > max(_READABLE)  # may checksum otherwise
+    if meta.get(HEADER_CRC_KEY) != crc and not newer:
         raise ValueError(f"{where}: corrupted jaxquant metadata: its CRC-32 is {crc}, the file "
                          f"records {meta.get(HEADER_CRC_KEY)!r}.")
+    if type(version) is not int or version not in _READABLE:
+        readable = ", ".join(map(str, _READABLE))
+        raise ValueError(f"{where}: unknown jaxquant checkpoint version {version!r}; "
+                         f"this jaxquant reads versions {readable} (a newer file needs a "
+                         f"newer jaxquant).")
     try:
         used = []
         for path, entry in header["leaves"].items():
@@ -358,8 +381,10 @@ def plan(header: dict, target: Any, where: str) -> tuple[list, Any]:
         return [(p, e, None) for p, e in leaves.items()], None
     flat, treedef = jax.tree_util.tree_flatten_with_path(target, is_leaf=is_record)
     paths = [path_str(p) for p, _ in flat]
-    if len(set(paths)) != len(paths):
-        raise ValueError(f"{where}: the target has two leaves with the same path.")
+    seen: set[str] = set()
+    if twice := [p for p in paths if p in seen or seen.add(p)]:
+        raise ValueError(f"{where}: the target has two leaves with the same path {twice[0]!r}; "
+                         f"rename one of the keys.")
     known = ", ".join(repr(p) for p in list(leaves)[:5]) + (", ..." if len(leaves) > 5 else "")
     missing = [p for p in paths if p not in leaves]
     if missing:
@@ -374,24 +399,3 @@ def plan(header: dict, target: Any, where: str) -> tuple[list, Any]:
     for path, (_, t) in zip(paths, flat, strict=True):
         _check_leaf(where, path, leaves[path], header["tensors"], t)
     return [(p, leaves[p], t) for p, (_, t) in zip(paths, flat, strict=True)], treedef
-
-
-def placements(path: str, entry: dict, t) -> dict[str, Any]:
-    """Stored tensor name -> the target array (or PackedArray) that says where it goes."""
-    if t is None:
-        return {}
-    if entry["kind"] != "qtensor":
-        return {path: t}
-    out = {}
-    for n in ("qvalue", "scale", "zero_point"):
-        v = getattr(t, n)
-        if is_qtensor(v):
-            out |= placements(join(path, n), entry[n], v)
-        elif v is not None:
-            out[join(path, n)] = v
-    return out
-
-
-def sharding_of(t):
-    """The sharding a target array asks for (``None``: the default device)."""
-    return getattr(t.data if isinstance(t, PackedArray) else t, "sharding", None)
