@@ -44,121 +44,15 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
-from typing import Any
 
-from jaxquant._formats import CODEBOOKS, FORMATS
-from jaxquant._schemes import SCHEMES
+from jaxquant._cli_rules import parse_rule, parse_spec, rule_warnings
 from jaxquant._tree import QuantSpec
 
 __all__ = ["main", "parse_spec", "parse_rule"]
 
 _USAGE_ERROR, _RUN_ERROR = 2, 1
 _HELP = __doc__.replace("``", "").replace("`", "")  # the docstring, without markup
-
-
-def parse_spec(text: str) -> QuantSpec | None:
-    """A `QuantSpec` from its command-line form (``int4:block=32:packed``; ``none``).
-
-    Args:
-      text: ``none``, or a format name followed by ``:``-separated options
-        ``axis=INT``, ``axis=none``, ``block=INT``, ``packed``, ``asym``,
-        ``nosaturate`` (see the module docstring).
-
-    Returns:
-      The spec, or ``None`` for ``none`` (the tensor is kept).
-
-    Raises:
-      ValueError: an unknown format or option, a malformed number, or options
-        that `QuantSpec` rejects (``packed`` for an 8-bit format...).
-
-    Example:
-      >>> parse_spec("int4:axis=0:block=32:packed")
-      QuantSpec(dtype=dtype(int4), axis=0, block_size=32, symmetric=True, saturate=True,
-                packed=True, scale_dtype=None, scale_rounding='floor', double_quant=False)
-      >>> parse_spec("nf4:packed:dq").double_quant
-      True
-      >>> parse_spec("int8:sym")  # doctest: +ELLIPSIS
-      Traceback (most recent call last):
-      ...
-      ValueError: unknown option 'sym' in 'int8:sym'; expected axis=INT, axis=none, ...
-    """
-    name, *options = text.strip().split(":")
-    if name == "none" and not options:
-        return None
-    names = [*FORMATS, *CODEBOOKS, *SCHEMES]
-    if name not in names:
-        raise ValueError(f"unknown format {name!r} in {text!r}; expected none or one of "
-                         f"{', '.join(dict.fromkeys(names))}.")
-    kw: dict[str, Any] = {"dtype": name}
-    for opt in options:
-        key, _, value = opt.partition("=")
-        if key == "axis" and value:
-            kw["axis"] = None if value == "none" else _int(value, opt, text)
-        elif key == "block" and value:
-            kw["block_size"] = _int(value, opt, text)
-        elif key == "tile" and value:
-            kw["block_size"] = tuple(_int(v, opt, text) for v in value.split("x"))
-            kw["axis"] = None
-        elif key == "scale" and value:
-            kw["scale_dtype"] = value
-        elif key == "round" and value:
-            kw["scale_rounding"] = value
-        elif opt == "dq":
-            kw["double_quant"] = True
-        elif opt in ("packed", "asym", "nosaturate"):
-            kw[{"packed": "packed", "asym": "symmetric", "nosaturate": "saturate"}[opt]] = \
-                opt == "packed"
-        else:
-            raise ValueError(f"unknown option {opt!r} in {text!r}; expected axis=INT, axis=none, "
-                             f"block=INT, tile=INTxINT, packed, asym, nosaturate, dq, "
-                             f"scale=DTYPE or round=MODE.")
-    try:
-        return QuantSpec(**kw)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"{text!r}: {e}") from e
-
-
-def _int(value: str, opt: str, text: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"{opt!r} in {text!r} needs an integer, got {value!r}.") from None
-    if abs(number) >= 2**31:
-        raise ValueError(f"{opt!r} in {text!r}: {number} is out of range (|n| < 2**31).")
-    return number
-
-
-def parse_rule(text: str) -> tuple[str, QuantSpec | None]:
-    """A ``(pattern, spec)`` rule from ``REGEX=SPEC`` (split at the first ``=``).
-
-    Args:
-      text: the rule, for example ``'attn/.*kernel=int4:block=32:packed'``.
-
-    Returns:
-      ``(pattern, QuantSpec | None)``, as `jaxquant.quantize_tree` takes.
-
-    Raises:
-      ValueError: no ``=``, an invalid regular expression, or a bad SPEC.
-
-    Example:
-      >>> parse_rule("bias$=none")
-      ('bias$', None)
-      >>> parse_rule("kernel=float8_e4m3fn:axis=none")[1].axis is None
-      True
-    """
-    pattern, sep, spec = text.partition("=")
-    if not sep:
-        raise ValueError(f"rule {text!r} must be REGEX=SPEC, for example 'kernel=int8'.")
-    try:
-        re.compile(pattern)
-    except re.error as e:
-        raise ValueError(f"rule {text!r}: invalid regular expression {pattern!r}: {e}.") from None
-    try:
-        return pattern, parse_spec(spec)
-    except ValueError as e:
-        raise ValueError(f"rule {text!r}: {e}") from None
 
 
 class _Fail(Exception):
@@ -170,14 +64,28 @@ class _Fail(Exception):
 
 
 def _load(path: str):
+    """The tree of the safetensors file ``path``; `_Fail` if it cannot be read as one."""
     from jaxquant._checkpoint import load_safetensors
 
+    if os.path.isdir(path):
+        raise _Fail(f"{path}: is a directory, not a file")
     if not os.path.isfile(path):
         raise _Fail(f"{path}: no such file")
     try:
         return load_safetensors(path, allow_plain=True)
     except (ImportError, TypeError, ValueError) as e:
         raise _Fail(str(e).splitlines()[0]) from None
+    except OSError as e:  # unreadable (permissions, I/O error, a device)
+        raise _Fail(f"{path}: cannot read: {e.strerror or e}") from None
+
+
+def _check_output(path: str) -> None:
+    """`_Fail` before any work if OUT is empty, a directory, or in a missing directory."""
+    if not path or path.endswith(("/", os.sep)) or os.path.isdir(path):
+        raise _Fail(f"{path!r}: cannot write: it is a directory or not a file name")
+    folder = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(folder):
+        raise _Fail(f"{path}: cannot write: no such directory {folder}")
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -206,28 +114,20 @@ def _quantize(args) -> int:
     from jaxquant._checkpoint import save_safetensors
     from jaxquant._progress import progress_bar
     from jaxquant._report import format_report, quantization_report
-    from jaxquant._tree import is_record, match_rules, path_str, unused_rules
+    from jaxquant._tree import is_record, match_rules, path_str
 
     try:
         rules = None if not args.rules else [parse_rule(r) for r in args.rules]
     except ValueError as e:
         raise _Fail(f"--rules: {e}", _USAGE_ERROR) from None
-    folder = os.path.dirname(os.path.abspath(args.output))
-    if not os.path.isdir(folder):
-        raise _Fail(f"{args.output}: cannot write: no such directory {folder}")
+    _check_output(args.output)
     if _same_file(args.input, args.output):
         raise _Fail(f"OUT {args.output!r} is the input file IN {args.input!r}: quantize would "
                     f"overwrite it; give OUT another path.", _USAGE_ERROR)
     tree = _load(args.input)
-    unused = unused_rules(tree, rules) if rules else []
-    for rule in unused:
-        print(f"jaxquant: warning: rule {rule[0]!r} matches no tensor", file=sys.stderr)
+    for warning in rule_warnings(tree, rules or []):
+        _err(f"jaxquant: warning: {warning}")
     specs = match_rules(tree, rules)
-    taken = {id(spec) for spec in specs.values()}
-    for rule in rules or []:
-        if rule[1] is not None and rule not in unused and id(rule[1]) not in taken:
-            print(f"jaxquant: warning: rule {rule[0]!r} matches only tensors that are not "
-                  f"float (kept as they are)", file=sys.stderr)
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)
     out = []
     with progress_bar(total=sum(s is not None for s in specs.values()), enabled=not args.quiet,
@@ -235,7 +135,7 @@ def _quantize(args) -> int:
         for path, leaf in leaves:
             name = path_str(path)
             if specs[name] is not None:
-                bar.set_postfix_str(name[-40:])
+                bar.set_postfix_str(name[-40:], refresh=False)  # drawn by update()
                 leaf = _apply(specs[name], name, leaf)
                 bar.update()
             out.append(leaf)
@@ -244,8 +144,8 @@ def _quantize(args) -> int:
         save_safetensors(args.output, qtree, progress=not args.quiet)
     except Exception as e:  # OSError, or safetensors' own error type
         raise _Fail(f"{args.output}: cannot write: {str(e).splitlines()[0]}") from None
-    print(format_report(quantization_report(tree, qtree)))
-    print(f"wrote {args.output}")
+    _out(format_report(quantization_report(tree, qtree)))
+    _out(f"wrote {args.output}")
     return 0
 
 
@@ -260,19 +160,62 @@ def _report(args) -> int:
             rows = quantization_report(tree, _load(args.output))
         except (TypeError, ValueError) as e:
             raise _Fail(f"{args.input} vs {args.output}: {e}") from None
-    print(format_report(rows))
+    _out(format_report(rows))
     return 0
+
+
+def _demo(args) -> int:
+    """`jaxquant._demo.run`; its RuntimeErrors (no corpus, XLA's) as a `_Fail`."""
+    from jaxquant._demo import run
+
+    try:
+        run(steps=args.steps, print_fn=_out, progress=not args.quiet)
+    except RuntimeError as e:  # no corpus; XLA's errors (out of memory...)
+        raise _Fail(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+    return 0
+
+
+def _out(text: str) -> None:
+    """Prints ``text`` on stdout, flushed, so that a failure to write shows here.
+
+    Raises:
+      BrokenPipeError: the reader of a pipe has gone (`main` then ends quietly).
+      _Fail: stdout cannot be written (a full disk...).
+    """
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise _Fail(f"cannot write to standard output: {e.strerror or e}") from None
+
+
+def _err(text: str) -> None:
+    """Prints ``text`` on stderr, unless it is closed (``print(file=None)`` would use stdout)."""
+    if sys.stderr is not None:
+        print(text, file=sys.stderr)
+
+
+def _drop_stdout() -> None:
+    """Points stdout's descriptor at /dev/null: the interpreter's last flush must not fail."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # no descriptor (stdout replaced in-process)
+        pass
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxquant`` console script and ``python -m jaxquant``.
 
     Args:
-      argv: arguments without the program name (default: ``sys.argv[1:]``).
+      argv: arguments without the program name (default: ``sys.argv[1:]``, and then
+        Ctrl-C ends the process at once, with ``os._exit(130)``).
 
     Returns:
       The process exit status: 0, 1 (a file that cannot be read or written),
-      2 (bad arguments; argparse's own usage errors exit with 2 as well).
+      2 (bad arguments; argparse's own usage errors exit with 2 as well), 130 (Ctrl-C).
 
     Example:
       >>> main(["quantize", "missing.safetensors", "out.safetensors"])
@@ -286,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("input", metavar="IN", help="a safetensors file (plain or jaxquant)")
     q.add_argument("output", metavar="OUT", help="the jaxquant safetensors file to write")
     q.add_argument("--rules", nargs="+", metavar="REGEX=SPEC", action="extend",
-                   help="rules, first match wins (SPEC: none, int8, int8:axis=0, "
+                   help="rules, first match wins, after IN OUT (SPEC: none, int8, int8:axis=0, "
                         "int4:block=32:packed, float8_e4m3fn, ...; see above)")
     q.add_argument("--quiet", action="store_true", help="no progress bars")
     r = sub.add_parser("report", help="per-tensor table of a file, or of IN against OUT")
@@ -297,18 +240,24 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
     args = parser.parse_args(argv)
-    if args.command == "demo":
-        if args.steps < 1:
-            parser.error(f"--steps must be a positive integer, got {args.steps}")
-        from jaxquant._demo import run
-
-        run(steps=args.steps, progress=not args.quiet)
-        return 0
+    if args.command == "demo" and args.steps < 1:
+        parser.error(f"--steps must be a positive integer, got {args.steps}")
     try:
-        return (_quantize if args.command == "quantize" else _report)(args)
+        return {"quantize": _quantize, "report": _report, "demo": _demo}[args.command](args)
     except _Fail as e:
-        print(f"jaxquant {args.command}: error: {e}", file=sys.stderr)
+        _err(f"jaxquant {args.command}: error: {e}")
         return e.status
+    except BrokenPipeError:  # `jaxquant report ... | head`: the reader has gone
+        _drop_stdout()
+        return _RUN_ERROR
+    except KeyboardInterrupt:
+        _err(f"\njaxquant {args.command}: interrupted")
+        if argv is None:  # the program: XLA, stopped mid-compile, can crash the shutdown
+            try:
+                sys.stdout.flush()
+            finally:
+                os._exit(130)
+        return 130  # 128 + SIGINT, as shells report it
 
 
 if __name__ == "__main__":

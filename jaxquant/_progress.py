@@ -47,7 +47,8 @@ def progress_bar(iterable: Iterable | None = None, *, enabled: bool = True,
     Args:
       iterable: what to iterate over (the bar advances by one per item); ``None``
         for a bar advanced by hand with ``update(n)``.
-      enabled: ``False`` returns the silent stand-in without importing tqdm.
+      enabled: ``False`` returns the silent stand-in without importing tqdm (as
+        does a closed stderr, ``sys.stderr is None``).
       total: the number of steps (default: ``len(iterable)`` where it has one).
       desc: the label in front of the bar.
       unit: what one step is (``"tensor"``, ``"batch"``...).
@@ -63,7 +64,7 @@ def progress_bar(iterable: Iterable | None = None, *, enabled: bool = True,
       [1, 2, 3]
       >>> bar.update(); bar.close()
     """
-    if enabled:
+    if enabled and sys.stderr is not None:  # None: stderr closed (``2>&-``), nowhere to draw
         try:
             from tqdm import tqdm
         except ImportError:  # optional: without it, no bar

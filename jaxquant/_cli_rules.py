@@ -1,0 +1,172 @@
+"""The rules of the ``jaxquant quantize`` command line: ``REGEX=SPEC`` parsed into
+`jaxquant.quantize_tree` rules, and why a rule that quantizes nothing does nothing.
+
+The grammar is in `jaxquant._cli`'s docstring (the ``--help`` text).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from jaxquant._formats import CODEBOOKS, FORMATS
+from jaxquant._schemes import SCHEMES
+from jaxquant._tree import QuantSpec
+
+__all__ = ["parse_spec", "parse_rule", "rule_warnings"]
+
+
+def parse_spec(text: str) -> QuantSpec | None:
+    """A `QuantSpec` from its command-line form (``int4:block=32:packed``; ``none``).
+
+    Args:
+      text: ``none``, or a format name followed by ``:``-separated options
+        ``axis=INT``, ``axis=none``, ``block=INT``, ``packed``, ``asym``,
+        ``nosaturate`` (see the module docstring).
+
+    Returns:
+      The spec, or ``None`` for ``none`` (the tensor is kept).
+
+    Raises:
+      ValueError: an unknown, repeated or conflicting option or format, a malformed
+        number, or options that `QuantSpec` rejects (``packed`` for int8...).
+
+    Example:
+      >>> parse_spec("int4:axis=0:block=32:packed")
+      QuantSpec(dtype=dtype(int4), axis=0, block_size=32, symmetric=True, saturate=True,
+                packed=True, scale_dtype=None, scale_rounding='floor', double_quant=False)
+      >>> parse_spec("nf4:packed:dq").double_quant
+      True
+      >>> parse_spec("int8:sym")  # doctest: +ELLIPSIS
+      Traceback (most recent call last):
+      ...
+      ValueError: unknown option 'sym' in 'int8:sym'; expected axis=INT, axis=none, ...
+    """
+    name, *options = text.strip().split(":")
+    if name == "none" and not options:
+        return None
+    names = [*FORMATS, *CODEBOOKS, *SCHEMES]
+    if name not in names:
+        raise ValueError(f"unknown format {name!r} in {text!r}; expected none or one of "
+                         f"{', '.join(dict.fromkeys(names))}.")
+    kw: dict[str, Any] = {"dtype": name}
+    seen: set[str] = set()
+    for opt in options:
+        key, _, value = opt.partition("=")
+        _check_option(key, seen, opt, text)
+        if key == "axis" and value:
+            kw["axis"] = None if value == "none" else _int(value, opt, text)
+        elif key == "block" and value:
+            kw["block_size"] = _int(value, opt, text)
+        elif key == "tile" and value:
+            kw["block_size"] = tuple(_int(v, opt, text) for v in value.split("x"))
+            kw["axis"] = None
+        elif key == "scale" and value:
+            kw["scale_dtype"] = value
+        elif key == "round" and value:
+            kw["scale_rounding"] = value
+        elif opt == "dq":
+            kw["double_quant"] = True
+        elif opt in ("packed", "asym", "nosaturate"):
+            kw[{"packed": "packed", "asym": "symmetric", "nosaturate": "saturate"}[opt]] = \
+                opt == "packed"
+        else:
+            raise ValueError(f"unknown option {opt!r} in {text!r}; expected axis=INT, axis=none, "
+                             f"block=INT, tile=INTxINT, packed, asym, nosaturate, dq, "
+                             f"scale=DTYPE or round=MODE.")
+    try:
+        return QuantSpec(**kw)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"{text!r}: {e}") from e
+
+
+def _check_option(key: str, seen: set[str], opt: str, text: str) -> None:
+    """Adds ``key`` (``axis``, ``packed``...) to ``seen``, the options before ``opt`` in ``text``.
+
+    Raises:
+      ValueError: a repeated option (the last would silently win), ``block=`` with
+        ``tile=``, or ``axis=`` with ``tile=`` (which would silently drop one).
+    """
+    if key in seen:
+        raise ValueError(f"{opt!r} in {text!r} repeats an option; give each option once.")
+    seen.add(key)
+    if "tile" in seen and "block" in seen:
+        raise ValueError(f"{opt!r} in {text!r}: block= and tile= exclude each other.")
+    if "tile" in seen and "axis" in seen:
+        raise ValueError(f"{opt!r} in {text!r}: tile= takes no axis= (tiles span every axis).")
+
+
+def _int(value: str, opt: str, text: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{opt!r} in {text!r} needs an integer, got {value!r}.") from None
+    if abs(number) >= 2**31:
+        raise ValueError(f"{opt!r} in {text!r}: {number} is out of range (|n| < 2**31).")
+    return number
+
+
+def parse_rule(text: str) -> tuple[str, QuantSpec | None]:
+    """A ``(pattern, spec)`` rule from ``REGEX=SPEC`` (split at the first ``=``).
+
+    Args:
+      text: the rule, for example ``'attn/.*kernel=int4:block=32:packed'``.
+
+    Returns:
+      ``(pattern, QuantSpec | None)``, as `jaxquant.quantize_tree` takes.
+
+    Raises:
+      ValueError: no ``=``, an invalid regular expression, or a bad SPEC.
+
+    Example:
+      >>> parse_rule("bias$=none")
+      ('bias$', None)
+      >>> parse_rule("kernel=float8_e4m3fn:axis=none")[1].axis is None
+      True
+    """
+    pattern, sep, spec = text.partition("=")
+    if not sep:
+        raise ValueError(f"rule {text!r} must be REGEX=SPEC, for example 'kernel=int8'.")
+    try:
+        re.compile(pattern)
+    except (re.error, OverflowError, RecursionError) as e:  # a{99999999999}: OverflowError
+        raise ValueError(f"rule {text!r}: invalid regular expression {pattern!r}: {e}.") from None
+    try:
+        return pattern, parse_spec(spec)
+    except ValueError as e:
+        raise ValueError(f"rule {text!r}: {e}") from None
+
+
+def rule_warnings(tree, rules: list[tuple[str, QuantSpec | None]]) -> list[str]:
+    """Why each rule (``(pattern, spec)``, first match wins) that quantizes nothing does nothing.
+
+    Returns:
+      One line per rule that takes no tensor of ``tree`` (it matches none, or only
+      tensors an earlier rule takes), then one per rule with a format whose tensors
+      are all kept (not float, or already quantized), in the order of the rules.
+    """
+    import jax
+
+    from jaxquant._tree import _is_float, is_record, path_str
+
+    leaves = [(path_str(p), leaf)
+              for p, leaf in jax.tree_util.tree_leaves_with_path(tree, is_leaf=is_record)]
+    patterns = [re.compile(pattern) for pattern, _ in rules]
+    taken: list[list] = [[] for _ in rules]
+    for name, leaf in leaves:
+        first = next((i for i, p in enumerate(patterns) if p.search(name)), None)
+        if first is not None:
+            taken[first].append(leaf)
+    idle, kept = [], []
+    for (pattern, spec), compiled, mine in zip(rules, patterns, taken, strict=True):
+        if not mine:
+            shadowed = any(compiled.search(name) for name, _ in leaves)
+            idle.append(f"rule {pattern!r} matches " + ("only tensors that an earlier rule takes"
+                                                        if shadowed else "no tensor"))
+        elif spec is not None and not any(_is_float(x) and not is_record(x) for x in mine):
+            records = sum(map(is_record, mine))
+            what = {0: "not float", len(mine): "already quantized"}.get(
+                records, "not float or already quantized")
+            kept.append(f"rule {pattern!r} matches only tensors that are {what} "
+                        f"(kept as they are)")
+    return idle + kept
