@@ -201,7 +201,8 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
     Raises:
       TypeError: ``bins`` not an int; a state that is not a `HistogramState`.
       ValueError: ``bins <= 0``; from ``compute``, a float format; from
-        ``init``/``update`` as `minmax`.
+        ``init``/``update`` as `minmax`; from ``update``/``compute``, a state
+        of other ``bins`` (as PyTorch).
 
     Example:
       >>> import jax.numpy as jnp
@@ -215,11 +216,12 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
     """
     def search(state, fmt, symmetric):
         if not fmt.is_integer:
-            raise ValueError(f"the histogram search models evenly spaced integer levels; use "
-                             f"minmax, percentile or mse for {fmt.name}.")
+            raise ValueError(f"the histogram search models evenly spaced integer levels: dtype "
+                             f"must be an integer format, got {fmt.name} (minmax, percentile "
+                             f"and mse take it).")
         if fmt.bits > 16:
             raise ValueError(f"the histogram search spreads 2**bits levels over the histogram; "
-                             f"it takes formats of at most 16 bits, got {fmt.name}.")
+                             f"dtype must have at most 16 bits, got {fmt.name}.")
         return _histogram.search_range(state, dst_bins=2 ** fmt.bits)
 
     return _histogram_observer(search, bins, axis)
@@ -234,7 +236,8 @@ def percentile(q: float = 99.99, *, bins: int = 2048, axis: int | None = None) -
     the ``n`` sorted finite values, interpolated between neighbours, each
     value placed inside its bin (the ``c`` values of a bin spread evenly, the
     extremes at the exact min and max). The result is within about one bin
-    width, ``(max - min) / bins``, of ``numpy.percentile`` of all batches.
+    width, ``(max - min) / bins``, of ``numpy.percentile`` of all batches (two
+    once a batch has widened the range and the counts were re-binned).
     Symmetric scales use ``max(|p_low|, |p_high|)``.
 
     Args:
@@ -313,7 +316,8 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
 
     Args:
       observer: an `Observer`.
-      batches: an iterable of arrays (a list, a generator, a data loader).
+      batches: an iterable (a list, a generator, a data loader) of JAX or NumPy
+        arrays, or of what ``numpy.asarray`` takes (CPU ``torch.Tensor`` batches).
       state: a state to continue from; default ``observer.init(first_batch)``.
       progress: show a ``tqdm`` progress bar when tqdm is installed (it is
         optional; without it nothing is shown).

@@ -129,11 +129,9 @@ def _power_of_two(m: jax.Array, low: int) -> jax.Array:
 
 
 def _bin_index(x: jax.Array, lo: jax.Array, hi: jax.Array, bins: int) -> jax.Array:
-    """The ``torch.histc`` bin of ``x`` over ``[lo, hi]`` (widened by 1 each way if empty)."""
-    empty = lo == hi
-    lo, hi = jnp.where(empty, lo - 1, lo), jnp.where(empty, hi + 1, hi)
-    pos = jnp.floor(divide((x - lo) * _F32(bins), hi - lo))
-    return jnp.clip(pos, 0, bins - 1).astype(jnp.int32)
+    """The ``torch.histc`` bin of ``x`` over ``[lo, hi]`` (``bins // 2`` if ``lo == hi``)."""
+    pos = jnp.clip(jnp.floor(divide((x - lo) * _F32(bins), hi - lo)), 0, bins - 1)
+    return jnp.where(lo == hi, bins // 2, pos).astype(jnp.int32)
 
 
 def _bincount(idx: jax.Array, weights: jax.Array, bins: int) -> jax.Array:
@@ -331,10 +329,11 @@ def _percentile_one(hist, lo, hi, qs):
     n = csum[-1]
     width = divide(hi - lo, _F32(bins))
 
-    def order_stat(k):  # the k-th smallest value (0-based), spread evenly in its bin
-        b = jnp.clip(jnp.searchsorted(csum, k, side="right"), 0, bins - 1)
+    def order_stat(k):  # the k-th smallest value (0-based): where the mass reaches k + 1/2
+        m = k + _F32(0.5)  # in a bin of fractional count (re-binned), as in a whole one
+        b = jnp.clip(jnp.searchsorted(csum, m, side="right"), 0, bins - 1)
         before = jnp.where(b > 0, csum[b - 1], _F32(0))
-        v = lo + width * (b.astype(_F32) + divide(k - before + _F32(0.5), hist[b]))
+        v = lo + width * (b.astype(_F32) + jnp.clip(divide(m - before, hist[b]), 0, 1))
         return jnp.clip(jnp.where(k <= 0, lo, jnp.where(k >= n - 1, hi, v)), lo, hi)
 
     h = (n - 1) * qs / _F32(100)
@@ -347,9 +346,10 @@ def _percentile_one(hist, lo, hi, qs):
 def percentile_range(state: HistogramState, q: jax.Array) -> tuple[jax.Array, jax.Array]:
     """The ``100 - q`` and ``q`` percentiles per group, read off the histograms.
 
-    numpy's default (linear) definition, the ``c`` values of a bin spread
-    evenly across it (``j``-th at ``left + width * (j + 0.5) / c``), the
-    extremes at the exact ``min`` and ``max`` (see `jaxquant._calibration.percentile`).
+    numpy's default (linear) definition, the ``k``-th value where the counts,
+    spread evenly across each bin, add up to ``k + 0.5`` (re-binned counts are
+    fractions; ``c`` whole ones put the ``j``-th at ``left + width * (j + 0.5) / c``),
+    the extremes at the exact ``min`` and ``max`` (see `jaxquant._calibration.percentile`).
 
     Args:
       state: ``(G, bins)`` histograms.

@@ -44,7 +44,8 @@ class Observer(NamedTuple):
         dtype=dtype, axis=axis)``.
 
     ``update`` and ``compute`` raise ``TypeError`` for a state that is not
-    the observer's own (a `RangeState` or a `HistogramState`).
+    the observer's own (a `RangeState` or a `HistogramState`), and
+    ``ValueError`` for one of other shapes (a histogram of other ``bins``).
     """
 
     init: Callable[[Any], Any]
@@ -89,6 +90,18 @@ def _check_state(state: Any, state_type: type) -> None:
 def _observer(axis: int | None, make_state, update_kernel, clip_range,
               state_type: type) -> Observer:
     """An `Observer` from a state maker, a jitted update, a range chooser and the state type."""
+    @functools.lru_cache(maxsize=8)
+    def shapes(groups):  # the shapes of make_state(groups)'s fields
+        return tuple(a.shape for a in jax.eval_shape(functools.partial(make_state, groups)))
+
+    def check_fields(state):  # e.g. a histogram of other bins, as PyTorch refuses
+        groups = jnp.shape(state.min)
+        for name, field, want in zip(state._fields, state, shapes(groups), strict=True):
+            if jnp.shape(field) != want:
+                raise ValueError(f"state.{name} must have shape {want} for this observer with "
+                                 f"ranges of shape {groups}, got {jnp.shape(field)}; init the "
+                                 f"state with this observer.")
+
     def init(x_like):
         shape = getattr(x_like, "shape", None)
         shape = tuple(np.shape(x_like) if shape is None else shape)
@@ -96,6 +109,8 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range,
 
     def update(state, x):
         _check_state(state, state_type)
+        if not isinstance(x, jax.Array | np.ndarray) and hasattr(x, "__array__"):
+            x = np.asarray(x)  # a data loader's batch, e.g. a torch.Tensor
         x = as_float_input(x)
         layout = layout_from_args(x.shape, axis, None)
         got, expected = layout.scale_shape(x.shape), jnp.shape(state.min)
@@ -103,10 +118,12 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range,
             raise ValueError(
                 f"x of shape {x.shape} needs ranges of shape {got} for axis={axis}, but the "
                 f"state holds ranges of shape {expected}; init it with a batch-shaped array.")
+        check_fields(state)
         return state if x.size == 0 else update_kernel(state, x, layout)
 
     def compute(state, *, dtype=jnp.int8, symmetric=True):
         _check_state(state, state_type)
+        check_fields(state)
         check_flags(symmetric=symmetric)
         fmt = get_format(dtype)
         if not symmetric and not fmt.is_integer:
