@@ -8,31 +8,23 @@ with the one the float layer would create (as Flax's ``ScopeParamShapeError``).
 
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from jaxquant._dot import promote_dtype as q_promote_dtype
-from jaxquant.flax._ops import (
-    InferConv,
-    InferDot,
-    InferEinsum,
-    embed_take,
-    fake_quant_act,
-)
+from jaxquant._packing import unpack
+from jaxquant._qtensor import is_qtensor, scale_values
+from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
+from jaxquant.flax._ops import fake_quant_act
 
-__all__ = ["PassPromote", "check_kernel_shape", "einsum_str", "get_param", "infer",
+__all__ = ["check_kernel_shape", "einsum_str", "embed_take", "get_param", "infer",
            "kernel_shape"]
 
 
-@dataclasses.dataclass(frozen=True)
-class PassPromote:
-    """`jaxquant.promote_dtype` (QTensors pass through), marking a re-run layer."""
-
-    def __call__(self, *args, dtype=None, inexact=True):
-        return q_promote_dtype(*args, dtype=dtype, inexact=inexact)
+def _promote(m) -> InferPromote:
+    """``m``'s ``promote_dtype`` (Flax's or the layer's own), passing QTensors through."""
+    return InferPromote(None if m.promote_dtype is nn.dtypes.promote_dtype else m.promote_dtype)
 
 
 def get_param(m, name):
@@ -43,9 +35,14 @@ def get_param(m, name):
 
 
 def einsum_str(m, args, kwargs) -> str:
-    """The equation of an ``Einsum`` call: the call's, else the module's."""
-    s = kwargs.get("einsum_str", args[1] if len(args) > 1 else None)
-    return (s if s is not None else m.einsum_str).replace(" ", "")
+    """The equation of an ``Einsum`` call: the call's, else the module's.
+
+    Raises:
+      ValueError: both given, as Flax's ``Einsum`` (``nn.merge_param``) raises.
+    """
+    return nn.merge_param("einsum_str", m.einsum_str,
+                          kwargs.get("einsum_str", args[1] if len(args) > 1 else None)
+                          ).replace(" ", "")
 
 
 def _tuple(v) -> tuple:
@@ -76,33 +73,92 @@ def check_kernel_shape(m, name: str, qt, args, kwargs) -> None:
             f"shape {tuple(qt.shape)}, but the layer (with these inputs) expects {want}.")
 
 
+def embed_take(table, idx, dtype=None) -> jax.Array:
+    """Rows ``idx`` of an embedding table, as Flax's ``Embed`` takes them.
+
+    A `QTensor` table dequantizes only those rows (its ``dtype``), cast to
+    ``dtype`` as Flax casts a float table. As with a float table, a single-row
+    table is broadcast whatever the index, and an index out of range gives NaN.
+
+    Args:
+      table: a `QTensor` or an array of shape ``(num_embeddings, features)``.
+      idx: integer indices.
+      dtype: the output dtype of a QTensor table; ``None``: its ``dtype``.
+
+    Returns:
+      An array of shape ``idx.shape + (features,)``.
+    """
+    n = table.shape[0]
+    if n == 1:  # Flax broadcasts the single row
+        idx = jnp.zeros(jnp.shape(idx), jnp.int32)
+    if not is_qtensor(table):
+        return jnp.take(table, idx, axis=0)
+    dtype = dtype or table.dtype
+    qt, layout = unpack(table), table.layout
+    if layout.kind in ("block", "tile") or qt.format.is_codebook or is_qtensor(qt.scale):
+        return jnp.take(qt.dequantize(), idx, axis=0).astype(dtype)
+
+    def rows(v):  # scale / zero point, broadcast against the gathered rows
+        if layout.kind == "tensor":
+            return v.reshape(())
+        if layout.axis == 0:
+            return jnp.take(v, idx, axis=0)[..., None]
+        return v.reshape((1,) * jnp.ndim(idx) + v.shape)
+
+    codes = jnp.take(qt.qvalue, idx, axis=0).astype(jnp.float32)
+    if qt.zero_point is not None:
+        codes = codes - rows(qt.zero_point).astype(jnp.float32)
+    nan = jnp.take(jnp.zeros(n, jnp.float32), idx, axis=0)[..., None]  # NaN out of range
+    return (codes * rows(scale_values(qt)) + nan).astype(table.dtype).astype(dtype)
+
+
 def _attend(m, act, qt, args, kwargs):
     """``Embed.attend``: the query as QAT sees it (fake-quantized per token by ``act``)
     times the dequantized table, in ``m.dtype`` as Flax's ``attend``."""
     q = args[0] if args else kwargs["query"]
     if act is not None:  # before the cast, as `QATPromote`
         q = fake_quant_act(q, act, (-1,))
-    q, _ = q_promote_dtype(q, qt, dtype=m.dtype)
+    q, _ = _promote(m)(q, qt, dtype=m.dtype)
     return InferDot(None)(q, qt, (((q.ndim - 1,), (1,)), ((), ())))
 
 
 def infer(m, method: str, act, qt, args, kwargs):
-    """A layer with a `QTensor` kernel, without materializing a float kernel."""
+    """A layer with a `QTensor` kernel, without materializing a float kernel.
+
+    Args:
+      m: the intercepted layer (bound).
+      method: ``"__call__"`` or (``Embed``) ``"attend"``.
+      act: the rule's `ActSpec` (int8 x int8), or ``None`` (weight-only).
+      qt: the stored kernel (table).
+      args: the call's positional arguments.
+      kwargs: the call's keyword arguments.
+
+    Returns:
+      What the float layer returns, computed on ``qt``.
+
+    Raises:
+      ValueError: a masked ``Conv``; a QTensor or `ActSpec` the int8 path cannot
+        take (the caller puts the layer's path in front).
+    """
     if isinstance(m, nn.Embed):
         if method == "attend":
             return _attend(m, act, qt, args, kwargs)
-        return embed_take(qt, args[0] if args else kwargs["inputs"], m.dtype)
+        idx = args[0] if args else kwargs["inputs"]
+        if _promote(m).inner is not None:  # the layer's own cast of the dequantized table
+            (table,) = m.promote_dtype(qt.dequantize(), dtype=m.dtype, inexact=False)
+            return embed_take(table, idx)
+        return embed_take(qt, idx, m.dtype)
     if isinstance(m, nn.Conv):
         if m.mask is not None:
-            raise ValueError(f"{type(m).__name__} at {'/'.join(m.path)}: a masked Conv cannot "
-                             f"run on a QTensor kernel; leave it float (rule -> None).")
+            raise ValueError("a masked Conv cannot run on a QTensor kernel; leave it float "
+                             "(rule -> None).")
         clone = m.clone(parent=m.scope, conv_general_dilated=InferConv(act),
-                        conv_general_dilated_cls=None, promote_dtype=PassPromote(),
+                        conv_general_dilated_cls=None, promote_dtype=_promote(m),
                         kernel_init=lambda *a, **k: qt)
         return clone(*args, **kwargs)
     x = args[0] if args else kwargs["inputs"]
     bias = get_param(m, "bias") if m.use_bias else None
-    x, _, bias = q_promote_dtype(x, qt, bias, dtype=m.dtype)
+    x, _, bias = _promote(m)(x, qt, bias, dtype=m.dtype)
     if isinstance(m, nn.Einsum):
         s = einsum_str(m, args, kwargs)
         y = InferEinsum(act)(s, x, qt, precision=m.precision,

@@ -25,8 +25,8 @@ import numpy as np
 from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._boxes import box_qtensor
 from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, linen_input_grams
+from jaxquant.flax._infer_ops import InferPromote
 from jaxquant.flax._linen_infer import (
-    PassPromote,
     check_kernel_shape,
     einsum_str,
     get_param,
@@ -114,7 +114,7 @@ def _setup(m, cfg: QuantConfig | None, stored) -> None:
 def _interceptor(rules, record: dict | None = None):
     def intercept(next_fun, args, kwargs, context):
         m, method = context.module, context.method_name
-        if not isinstance(m, LAYERS) or isinstance(m.promote_dtype, QATPromote | PassPromote):
+        if not isinstance(m, LAYERS) or isinstance(m.promote_dtype, QATPromote | InferPromote):
             return next_fun(*args, **kwargs)
         calls = ("__call__", "attend", "setup") if isinstance(m, nn.Embed) else ("__call__",)
         if method not in calls:
@@ -127,13 +127,15 @@ def _interceptor(rules, record: dict | None = None):
             if not is_qtensor(stored):
                 next_fun(*args, **kwargs)
             return _setup(m, cfg, get_param(m, name))
+        where = f"layer {path!r} ({type(m).__name__})"
         if is_qtensor(stored):
             check_kernel_shape(m, name, stored, args, kwargs)
-            return infer(m, method, None if cfg is None else cfg.act, stored, args, kwargs)
+            with layer_errors(where):
+                return infer(m, method, None if cfg is None else cfg.act, stored, args, kwargs)
         if cfg is None or (cfg.weight is None and cfg.act is None):
             y = next_fun(*args, **kwargs)
         else:
-            with layer_errors(f"layer {path!r} ({type(m).__name__})"):
+            with layer_errors(where):
                 y = _qat(m, method, cfg, args, kwargs)
         if record is not None:
             record[path] = (type(m).__name__, name, np.shape(get_param(m, name)), cfg)

@@ -17,6 +17,7 @@ import functools
 import jax
 import numpy as np
 from flax import nnx
+from flax.nnx.nn.dtypes import promote_dtype as nnx_promote_dtype
 from flax.typing import MISSING
 from jax.sharding import PartitionSpec
 
@@ -24,12 +25,9 @@ from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._boxes import qtensor_pspec
 from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel
+from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
 from jaxquant.flax._nnx_graph import covered_layers, layer_paths
 from jaxquant.flax._ops import (
-    DequantPromote,
-    InferConv,
-    InferDot,
-    InferEinsum,
     QATDot,
     QATEinsum,
     QATPromote,
@@ -144,6 +142,15 @@ def _stack(fn, extra: int):
     for _ in range(extra):
         fn = jax.vmap(fn)
     return fn
+
+
+def _own_promote(layer):
+    """The layer's own ``promote_dtype`` under what `nnx_qat` / `nnx_quantize` installed;
+    ``None`` for Flax's (or `jaxquant.promote_dtype`)."""
+    p = layer.promote_dtype
+    p = p.promote if isinstance(p, LearnedScale) else p
+    p = p.inner if isinstance(p, QATPromote | InferPromote) else p
+    return None if p in (None, nnx_promote_dtype, q_promote_dtype) else p
 
 
 def _unwire(layer) -> None:
@@ -377,17 +384,17 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
                 kernel = _quantize_kernel(path, kernel, spec, hook, extra)
             var.set_value(kernel)
         _keep_sharding(layer, var, extra)
-        act = cfg.act
+        act, where = cfg.act, f"layer {path!r} ({type(layer).__name__})"
         if isinstance(layer, nnx.Embed):
-            layer.promote_dtype = nnx.static(DequantPromote(act))
+            layer.promote_dtype = nnx.static(InferPromote(_own_promote(layer), act, True))
             continue
-        layer.promote_dtype = nnx.static(q_promote_dtype)
+        layer.promote_dtype = nnx.static(InferPromote(_own_promote(layer)))
         if isinstance(layer, nnx.Einsum):
-            layer.einsum_op = InferEinsum(act)
+            layer.einsum_op = InferEinsum(act, where)
         elif isinstance(layer, nnx.Conv):
-            layer.conv_general_dilated = InferConv(act)
+            layer.conv_general_dilated = InferConv(act, where)
         else:
-            layer.dot_general = InferDot(act)
+            layer.dot_general = InferDot(act, where)
             if isinstance(layer, nnx.LinearGeneral):
                 layer.dot_general_cls = None
     return model

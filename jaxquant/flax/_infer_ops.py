@@ -1,0 +1,211 @@
+"""The numerics injected into Flax layers at inference, shared by linen and nnx.
+
+`InferDot`, `InferEinsum` and `InferConv` stand in for ``lax.dot_general``,
+``jnp.einsum`` and ``lax.conv_general_dilated`` over `QTensor` kernels:
+weight-only (dequantized inside the jitted op) or int8 x int8 -> int32 with
+the input quantized on the fly (or with a static scale); errors raised there
+name the layer (``where``). `InferPromote` keeps the layer's own
+``promote_dtype`` and lets the QTensor through. Training's ops are in
+`jaxquant.flax._ops`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import jax.numpy as jnp
+from jax import lax
+
+from jaxquant._dot import ActQuant, qdot_general
+from jaxquant._dot import promote_dtype as q_promote_dtype
+from jaxquant._einsum import qeinsum
+from jaxquant._packing import unpack
+from jaxquant._qtensor import QTensor, is_qtensor, scale_values
+from jaxquant._quantize import quantize
+from jaxquant.flax._ops import explicit_einsum, fake_quant_act
+from jaxquant.flax._rules import ActSpec, layer_errors
+
+__all__ = ["InferDot", "InferEinsum", "InferConv", "InferPromote", "promoted_kernel"]
+
+
+def _kwargs(out_sharding, preferred_element_type):
+    kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+    if preferred_element_type is not None:
+        kw["preferred_element_type"] = preferred_element_type
+    return kw
+
+
+def promoted_kernel(qt, dtype):
+    """What Flax's ``promote_dtype`` makes of the trained kernel, for a weight-only op.
+
+    The fake-quantized kernel of training has the kernel's dtype (``qt.dtype``)
+    and is then cast to the compute ``dtype``. Dequantizing straight to
+    ``dtype`` (computed in float32) skips that rounding when ``qt.dtype`` is
+    neither float32 nor ``dtype`` (bfloat16 params, float32 compute), so such a
+    kernel is dequantized to ``qt.dtype`` and cast here.
+
+    Args:
+      qt: a `QTensor` (or an array, returned as it is).
+      dtype: the dtype the layer computes in.
+
+    Returns:
+      ``qt`` itself where dequantizing to ``dtype`` inside the op gives the same
+      values, else the array ``qt.dequantize().astype(dtype)``.
+    """
+    if not is_qtensor(qt) or qt.dtype == jnp.dtype(dtype) or qt.dtype == jnp.float32:
+        return qt
+    return qt.dequantize().astype(dtype)
+
+
+def _static_lhs(x, act: ActSpec) -> QTensor:
+    return quantize(x, jnp.asarray(act.scale, jnp.float32), dtype=jnp.int8)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferDot:
+    """``dot_general`` over a `QTensor` rhs: weight-only (``act=None``) or int8 x int8.
+
+    Attributes:
+      act: the input's `ActSpec` (int8), or ``None`` (weight-only).
+      where: the layer, put in front of errors (nnx; linen's interceptor names it).
+    """
+
+    act: ActSpec | None
+    where: str = ""
+
+    def __call__(self, lhs, rhs, dimension_numbers, precision=None,
+                 preferred_element_type=None, out_sharding=None):
+        if self.act is None:
+            rhs = promoted_kernel(rhs, lhs.dtype)
+        if not is_qtensor(rhs):
+            return lax.dot_general(lhs, rhs, dimension_numbers, precision,
+                                   **_kwargs(out_sharding, preferred_element_type))
+        aq, out = None, preferred_element_type or lhs.dtype
+        with layer_errors(self.where):
+            if self.act is not None:
+                aq = self.act.act_quant()
+                if self.act.scale is not None:
+                    lhs, aq = _static_lhs(lhs, self.act), ActQuant()
+            return qdot_general(lhs, rhs, dimension_numbers, precision, out,
+                                out_sharding=out_sharding, act_quant=aq)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferEinsum:
+    """``jnp.einsum``-like op (nnx ``einsum_op``) over a `QTensor` rhs, through `qeinsum`.
+
+    Attributes:
+      act: the input's `ActSpec` (int8), or ``None`` (weight-only).
+      where: the layer, put in front of errors (nnx; linen's interceptor names it).
+    """
+
+    act: ActSpec | None
+    where: str = ""
+
+    def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None,
+                 out_sharding=None, **kwargs):
+        if self.act is None:
+            rhs = promoted_kernel(rhs, lhs.dtype)
+        if not is_qtensor(rhs):
+            return jnp.einsum(subscripts, lhs, rhs, precision=precision, **kwargs,
+                              **_kwargs(out_sharding, preferred_element_type))
+        s = explicit_einsum(subscripts, lhs.ndim, rhs.ndim)
+        aq, out = None, preferred_element_type or lhs.dtype
+        with layer_errors(self.where):
+            if self.act is not None:
+                aq = self.act.act_quant()
+                if self.act.scale is not None:
+                    lhs, aq = _static_lhs(lhs, self.act), ActQuant()
+            return qeinsum(s, lhs, rhs, precision=precision, preferred_element_type=out,
+                           act_quant=aq)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferConv:
+    """``lax.conv_general_dilated`` over a `QTensor` kernel.
+
+    Weight-only: the kernel is dequantized inside the jitted convolution.
+    int8 x int8 -> int32 (``act`` given): the input gets one scale (static, or
+    its absmax / 127), the kernel needs symmetric integer codes of at most 8
+    bits, per tensor or per output feature.
+
+    Attributes:
+      act: the input's `ActSpec` (int8), or ``None`` (weight-only).
+      where: the layer, put in front of errors (nnx; linen's interceptor names it).
+    """
+
+    act: ActSpec | None
+    where: str = ""
+
+    def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
+                 rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
+                 batch_group_count=1, precision=None, preferred_element_type=None,
+                 out_sharding=None):
+        conv = lambda a, b, **kw: lax.conv_general_dilated(
+            a, b, window_strides, padding, lhs_dilation, rhs_dilation, dimension_numbers,
+            feature_group_count, batch_group_count, precision, **kw)
+        kw = _kwargs(out_sharding, preferred_element_type)
+        if not is_qtensor(rhs):
+            return conv(lhs, rhs, **kw)
+        with layer_errors(self.where):
+            if self.act is None:  # as the float conv of the promoted kernel
+                return conv(lhs, rhs.dequantize().astype(lhs.dtype), **kw)
+            return self._int8_conv(conv, lhs, rhs, dimension_numbers,
+                                   preferred_element_type or lhs.dtype)
+
+    def _int8_conv(self, conv, lhs, rhs, dimension_numbers, out):
+        self.act.act_quant()  # int8 only
+        dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
+        fmt, layout = rhs.format, rhs.layout
+        if not (fmt.is_integer and fmt.signed and fmt.bits <= 8 and rhs.zero_point is None
+                and (layout.kind == "tensor"
+                     or (layout.kind == "axis" and layout.axis == dn.rhs_spec[0]))):
+            raise ValueError(
+                f"the int8 convolution needs a kernel of symmetric signed integer codes of at "
+                f"most 8 bits, quantized per tensor or per output feature (axis "
+                f"{dn.rhs_spec[0]}), got {rhs!r}; use act=None for a weight-only convolution.")
+        x = _static_lhs(lhs, self.act) if self.act.scale is not None else \
+            quantize(lhs, dtype=jnp.int8)
+        acc = conv(x.qvalue, unpack(rhs).qvalue.astype(jnp.int8),
+                   preferred_element_type=jnp.int32)
+        shape = [1] * acc.ndim
+        shape[dn.out_spec[1]] = -1
+        sv = scale_values(rhs)
+        s = sv.reshape(shape) if layout.kind == "axis" else sv.reshape(())
+        y = acc.astype(jnp.float32) * x.scale.reshape(()) * s
+        return y.astype(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class InferPromote:
+    """A layer's ``promote_dtype`` at inference, passing its `QTensor` kernel through.
+
+    The layer's own function casts the input and bias (called with a dequantized
+    stand-in kernel, unused: XLA drops it); the QTensor is dequantized inside the
+    op, to the input's dtype. Called as linen calls it or as nnx does (one tuple).
+
+    Attributes:
+      inner: the layer's own ``promote_dtype``; ``None`` for Flax's (`jaxquant.promote_dtype`).
+      act: with ``dequantize``, the `ActSpec` of ``Embed.attend``'s query (per token).
+      dequantize: dequantize the QTensor here (nnx ``Embed``, then cast as a float table).
+    """
+
+    inner: Callable | None = None
+    act: ActSpec | None = None
+    dequantize: bool = False
+
+    def __call__(self, *args, **kwargs):
+        as_tuple = len(args) == 1 and isinstance(args[0], tuple)
+        items = list(args[0] if as_tuple else args)
+        inner = self.inner or q_promote_dtype
+        call = lambda v: inner(tuple(v), **kwargs) if as_tuple else inner(*v, **kwargs)
+        if self.dequantize:
+            items = [a.dequantize() if is_qtensor(a) else a for a in items]
+            if self.act is not None and len(items) >= 2:
+                items[0] = fake_quant_act(items[0], self.act, (-1,))
+        if inner is q_promote_dtype or not any(map(is_qtensor, items)):
+            return call(items)
+        stand = [a.dequantize() if is_qtensor(a) else a for a in items]
+        out = [a if is_qtensor(a) else b for a, b in zip(items, call(stand), strict=True)]
+        return tuple(out) if as_tuple else out
