@@ -88,7 +88,17 @@ def test_quantized_tree_alone_lists_formats_and_bytes():
     assert sum(r.nbytes_after for r in rows.values()) == jq.tree_nbytes(q)
 
 
-def test_errors_are_one_program_per_tree_structure():
+def test_errors_compile_once_per_leaf_signature_not_per_leaf():
+    layers = {f"layer_{i}": {"kernel": jnp.full((16, 8), i + 1.0) * jnp.arange(8.0)[None, :]}
+              for i in range(12)}
+    q = jq.quantize_tree(layers)
+    size = _report._errors._cache_size()
+    rows = quantization_report(layers, q)
+    assert _report._errors._cache_size() <= size + 1  # twelve leaves, one signature
+    assert len(rows) == 12 and all(r.compared and r.sqnr_db > 40 for r in rows)
+
+
+def test_errors_are_not_retraced_for_a_tree_of_the_same_shapes():
     p = _params()
     q = jq.quantize_tree(p, RULES)
     quantization_report(p, q)
