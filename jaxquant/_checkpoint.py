@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import os
+import threading
 from typing import Any
 
 import jax
@@ -112,7 +113,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
     with _save_bar(tree, progress) as bar:
         header, tensors = encode(tree, to_host=True, on_tensor=bar.update)
         meta = header_metadata(header, metadata)
-        tmp = f"{path}.tmp{os.getpid()}"
+        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
         bar.set_postfix_str("writing")
         try:
             safetensors.numpy.save_file(tensors, tmp, metadata=meta)
@@ -233,6 +234,7 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
     Raises:
       TypeError: a leaf that is not an array, or bad ``metadata``.
       ValueError: two leaves whose paths coincide; a reserved metadata key.
+      FileExistsError: ``directory`` exists already (checked before any work).
 
     Example:
       >>> import tempfile, jax.numpy as jnp, jaxquant as jq
@@ -244,6 +246,9 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
     """
     import orbax.checkpoint as ocp
 
+    if os.path.exists(directory := os.path.abspath(directory)):
+        raise FileExistsError(f"{directory}: already exists; save_orbax writes a new "
+                              f"checkpoint directory and never overwrites one.")
     with _save_bar(tree, progress) as bar:
         header, tensors = encode(tree, to_host=False, on_tensor=bar.update)
         meta = header_metadata(header, metadata)
@@ -252,7 +257,7 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
         stored = [x for x in tensors.values() if x.size] or [np.zeros(1, np.uint8)]
         bar.set_postfix_str("writing")
         with ocp.StandardCheckpointer() as ckptr:
-            ckptr.save(os.path.abspath(directory), stored, custom_metadata=meta)
+            ckptr.save(directory, stored, custom_metadata=meta)
             ckptr.wait_until_finished()
 
 

@@ -73,6 +73,8 @@ def _qparams(lo, hi, fmt, symmetric):
     scale, zero_point = scale_from_range(jnp.where(empty, _F32(0), lo),
                                          jnp.where(empty, _F32(0), hi),
                                          fmt, symmetric)
+    if zero_point is not None and not symmetric:  # no data: torch's scale 1, zero point 0
+        zero_point = jnp.where(empty, jnp.zeros((), zero_point.dtype), zero_point)
     return jnp.where(jnp.isnan(lo) | jnp.isnan(hi), _F32(jnp.nan), scale), zero_point
 
 

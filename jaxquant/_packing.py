@@ -19,6 +19,7 @@ the QTensor invariants hold whether the codes are packed or not.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -27,7 +28,8 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jaxquant._formats import get_format
-from jaxquant._granularity import normalize_axis
+from jaxquant._granularity import Layout, normalize_axis
+from jaxquant._shard_fit import check_shards_fit
 
 __all__ = ["PackedArray", "pack", "unpack", "pack_bits", "unpack_bits", "pack_fields",
            "unpack_fields", "sign_extend", "packed_length", "split_groups"]
@@ -259,7 +261,8 @@ def pack(x, axis: int = -1):
     Raises:
       TypeError: for formats wider than 4 bits (6-bit float6 QTensors are packed
         four codes per three bytes).
-      ValueError: for a scalar, or ``axis`` out of range.
+      ValueError: for a scalar, ``axis`` out of range, or codes explicitly sharded
+        along ``axis`` so that a byte would straddle two devices.
 
     Example:
       >>> import jaxquant as jq
@@ -272,11 +275,17 @@ def pack(x, axis: int = -1):
     if hasattr(x, "qvalue"):  # a QTensor
         if x.format.bits == 6 and not isinstance(x.qvalue, PackedArray):  # float6 codebooks
             a = normalize_axis(axis, x.ndim)
+            check_shards_fit(x.qvalue, Layout("tensor"), 4, pack_axis=a, name="codes",
+                             unpacked="another axis of pack")
             data = pack_fields(x.qvalue, 6, a)
             return dataclasses.replace(x, qvalue=PackedArray(data, np.dtype(x.qvalue.dtype),
                                                              tuple(x.shape), a, 6))
         return dataclasses.replace(x, qvalue=pack(x.qvalue, axis))
     x = jnp.asarray(x)
+    if x.ndim:
+        check_shards_fit(x, Layout("tensor"), 8 // math.gcd(8, _check_packable(x.dtype, "codes")),
+                         pack_axis=normalize_axis(axis, x.ndim), name="codes",
+                         unpacked="another axis of pack")
     data = pack_bits(x, axis)  # checks the format and the rank first
     return PackedArray(data, np.dtype(x.dtype), tuple(x.shape), normalize_axis(axis, x.ndim))
 

@@ -133,7 +133,7 @@ def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
 
 def _tiles_of(shape: tuple[int, ...], group: int) -> tuple[int, ...]:
     """Tiles of about ``group`` consecutive scales: rows of the last axis, then more rows."""
-    last = min(shape[-1], group)
+    last = max(1, min(shape[-1], group))
     tiles = [1] * len(shape)
     tiles[-1] = last
     if len(shape) > 1:

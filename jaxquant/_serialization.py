@@ -15,6 +15,7 @@ safetensors files and orbax.
 
 from __future__ import annotations
 
+import functools
 import json
 import zlib
 from collections.abc import Callable
@@ -94,6 +95,16 @@ def _one_device(codes):
     return codes
 
 
+@functools.cache
+def _jax_holds(dtype: np.dtype) -> bool:
+    """Whether JAX has arrays of ``dtype`` (ml_dtypes has some, e.g. float6, that it lacks)."""
+    try:
+        jnp.zeros(0, dtype)
+    except Exception:  # noqa: BLE001 - XLA says so with a runtime error of its own
+        return False
+    return True
+
+
 def _encode_array(key: str, x) -> tuple[dict, Any]:
     """The header entry of the tensor ``key`` and the array to store.
 
@@ -117,6 +128,10 @@ def _encode_array(key: str, x) -> tuple[dict, Any]:
         return spec | {"encoding": "packed", "axis": codes.ndim - 1}, _pack_last_axis(codes)
     if dtype.name in ST_CODES:
         return spec | {"encoding": "raw"}, x
+    if dtype.itemsize in _UINTS and not _jax_holds(dtype):
+        raise TypeError(f"{key!r}: cannot store dtype {dtype.name}: JAX has no arrays of it, so "
+                        f"it could not be loaded back; store its codes as a QTensor with a "
+                        f"codebook (e.g. codebook={dtype.name!r}) or as uint8.")
     if dtype.itemsize in _UINTS:
         uint = _UINTS[dtype.itemsize]
         data = x.view(uint) if isinstance(x, np.ndarray) else jax.lax.bitcast_convert_type(x, uint)

@@ -24,14 +24,18 @@ def _explicit_spec(x) -> tuple[tuple, dict[str, int]] | None:
     return None if sharding is None else (tuple(sharding.spec), dict(sharding.mesh.shape))
 
 
-def check_shards_fit(x, layout: Layout, pack_group: int | None) -> None:
+def check_shards_fit(x, layout: Layout, pack_group: int | None, *, pack_axis: int = -1,
+                     name: str = "x", unpacked: str = "packed=False") -> None:
     """Raises a ValueError if a block or a packed byte of ``x`` would straddle two shards.
 
     Args:
       x: the array to quantize (concrete or traced).
       layout: its granularity (blocks along an axis, or tiles along every axis).
-      pack_group: codes per packed unit along the last axis (2 for 4-bit codes,
+      pack_group: codes per packed unit along ``pack_axis`` (2 for 4-bit codes,
         4 for 2- and 6-bit codes), or ``None`` when not packed.
+      pack_axis: the axis along which codes share bytes (default: the last).
+      name: what ``x`` is called in the message.
+      unpacked: the way out that keeps the codes unpacked, for the message.
 
     Raises:
       ValueError: naming the axis, its mesh axes, the shard length and the block.
@@ -59,12 +63,12 @@ def check_shards_fit(x, layout: Layout, pack_group: int | None) -> None:
         if layout.kind == "tile":
             needs.append((layout.block_size[axis], f"tiles {layout.block_size}",
                           f"tiles whose length along axis {axis} divides {per}"))
-        if pack_group and axis == x.ndim - 1:
-            needs.append((pack_group, f"packed units of {pack_group} codes", "packed=False"))
+        if pack_group and axis == pack_axis % x.ndim:
+            needs.append((pack_group, f"packed units of {pack_group} codes", unpacked))
         for length, what, fix in needs:
             if per % length:
                 raise ValueError(
-                    f"x is sharded {ways} ways along axis {axis} (mesh axes {names}) with {per} "
-                    f"elements per shard, which {what} do not divide: one would straddle two "
-                    f"devices. Use {fix}, or reshard x (jax.sharding.reshard) so that axis "
-                    f"{axis} is not split.")
+                    f"{name} is sharded {ways} ways along axis {axis} (mesh axes {names}) "
+                    f"with {per} elements per shard, which {what} do not divide: one would "
+                    f"straddle two devices. Use {fix}, or reshard {name} "
+                    f"(jax.sharding.reshard) so that axis {axis} is not split.")

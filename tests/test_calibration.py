@@ -331,10 +331,12 @@ def test_state_is_a_pytree_and_update_runs_under_jit(name, axis):
     assert np.all(np.asarray(scale) > 0) and np.all(np.isfinite(scale))
 
 
+@pytest.mark.parametrize("dtype", [jnp.uint8, jnp.int8])
 @pytest.mark.parametrize("name", sorted(OBSERVERS))
-def test_uncalibrated_state_gives_unit_scale(name):
+def test_uncalibrated_state_gives_unit_scale(name, dtype):
+    """As torch's observers before any batch (scale 1, zero point 0, for quint8 and qint8)."""
     obs = OBSERVERS[name](axis=None)
-    scale, zp = obs.compute(obs.init(jnp.zeros(4)), dtype=jnp.uint8, symmetric=False)
+    scale, zp = obs.compute(obs.init(jnp.zeros(4)), dtype=dtype, symmetric=False)
     assert float(scale) == 1.0 and int(zp) == 0
 
 

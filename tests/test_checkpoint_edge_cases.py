@@ -165,3 +165,32 @@ def test_target_qtensor_metadata_mismatch_names_both_sides(tmp_path, key, leaf, 
     target[key] = jax.eval_shape(leaf)
     with pytest.raises(error, match=message):
         load_safetensors(tmp_path / "m.safetensors", target)
+
+
+def test_save_orbax_refuses_an_existing_directory_before_encoding(tmp_path):
+    (tmp_path / "ckpt").mkdir()
+    with pytest.raises(FileExistsError, match="already exists"):
+        save_orbax(tmp_path / "ckpt", {"w": "not an array"})  # encoding would raise TypeError
+    assert not any((tmp_path / "ckpt").iterdir())
+
+
+def test_threads_saving_the_same_file_do_not_collide(tmp_path):
+    """Each writer has its own temporary file: every save succeeds, the file is one of them."""
+    import concurrent.futures
+
+    trees = [{"w": jq.quantize(jnp.full((64, 64), i + 1.0), dtype=jnp.int8)} for i in range(8)]
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda t: save_safetensors(tmp_path / "m.safetensors", t), trees * 4))
+    back = load_safetensors(tmp_path / "m.safetensors")
+    assert any(_bits(back) == _bits(t) for t in trees)
+    assert [p.name for p in tmp_path.iterdir()] == ["m.safetensors"]
+
+
+def test_a_dtype_jax_cannot_hold_is_refused_at_save(tmp_path):
+    """A NumPy float6 array would save but never load: refused up front, nothing written."""
+    import ml_dtypes
+
+    leaf = np.zeros(4, ml_dtypes.float6_e2m3fn)
+    with pytest.raises(TypeError, match="'w'.*float6_e2m3fn.*JAX has no arrays"):
+        save_safetensors(tmp_path / "a.safetensors", {"w": leaf})
+    assert not any(tmp_path.iterdir())

@@ -213,3 +213,9 @@ def test_huge_block_absmax_keeps_the_block(name):
     small = jq.quantize(jnp.asarray(v / np.float32(2.0**100)), dtype=name, axis=0, block_size=64)
     np.testing.assert_array_equal(np.asarray(huge.qvalue), np.asarray(small.qvalue))
     assert np.asarray(huge.dequantize())[3] == np.float32(1.5e38)
+
+
+@pytest.mark.parametrize("shape", [(4, 0), (0, 64)])
+def test_double_quant_of_an_empty_tensor(shape):
+    qt = jq.quantize(jnp.zeros(shape), dtype="nf4", double_quant=True)
+    assert qt.dequantize().shape == shape

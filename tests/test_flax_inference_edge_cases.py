@@ -55,6 +55,26 @@ def test_linen_embed_lookup_follows_flax_for_one_row_and_out_of_range_indices(sp
         np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, packed=True),
+                                  jq.QuantSpec(dtype=jnp.float8_e4m3fn, axis=0)],
+                         ids=["int8", "int4-packed", "fp8-rows"])
+def test_embed_lookup_never_holds_the_float_table(spec):
+    """A lookup on a QTensor table, jitted, needs no float copy of the table: the dequantize
+    runs on the gathered rows only (linen: rows first; nnx: XLA fuses it into the gather)."""
+    n, f = 4096, 256
+    float_table = n * f * 4
+    ids = jnp.zeros((4, 32), jnp.int32)
+    layer = nnx_quantize(nnx.Embed(n, f, rngs=nnx.Rngs(0)), QuantConfig(weight=spec))
+    graph, state = nnx.split(layer)
+    compiled = jax.jit(lambda s, i: nnx.merge(graph, s)(i)).lower(state, ids).compile()
+    model = nn.Embed(n, f)
+    qm = quantize_linen(model, QuantConfig(weight=spec))
+    q = qm.quantize_params(model.init(jax.random.key(0), ids), ids)
+    linen = jax.jit(qm.apply).lower(q, ids).compile()
+    for c in (compiled, linen):
+        assert c.memory_analysis().temp_size_in_bytes < float_table / 16
+
+
 def test_empty_batches_run_with_per_token_activations():
     # regression: per-token fake quantization of an empty batch divided by zero
     # (Embed.attend at inference, every layer with an ActSpec in QAT and in

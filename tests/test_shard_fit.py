@@ -63,3 +63,23 @@ def test_blocks_that_fit_keep_the_leaf_sharding(mesh, shape, spec, quant):
     assert codes.sharding.spec == spec
     want = quant(jax.device_put(np.asarray(w), jax.devices("cpu")[0]))
     np.testing.assert_array_equal(np.asarray(qt.dequantize()), np.asarray(want.dequantize()))
+
+
+@pytest.mark.parametrize("dtype, per", [(jnp.int4, 2), (jnp.int2, 4)])
+def test_pack_refuses_bytes_that_would_straddle_shards(mesh, dtype, per):
+    """One code per device along the packed axis: a clear error, not a reshape error."""
+    x = jq.quantize(_put(mesh, (4, 4 * per // 2), P(None, "model")), dtype=dtype, axis=0)
+    with pytest.raises(ValueError, match=rf"codes is sharded 4 ways along axis 1 .* "
+                                         rf"packed units of {per} codes"):
+        jq.pack(x)
+    packed = jq.pack(x, axis=0)  # along the unsharded axis: the codes keep their sharding
+    assert packed.qvalue.data.sharding.spec == P(None, "model")
+    assert np.array_equal(np.asarray(jq.dequantize(packed)), np.asarray(jq.dequantize(x)))
+
+
+def test_pack_of_float6_codes_refuses_straddling_bytes(mesh):
+    codes = jax.device_put(jnp.arange(32, dtype=jnp.uint8).reshape(4, 8),
+                           NamedSharding(mesh, P(None, "model")))
+    qt = jq.QTensor(codes, jnp.float32(0.5), codebook="float6_e2m3fn")
+    with pytest.raises(ValueError, match="packed units of 4 codes"):
+        jq.pack(qt)
