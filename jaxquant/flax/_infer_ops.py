@@ -21,7 +21,7 @@ from jaxquant._dot import ActQuant, qdot_general
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._einsum import qeinsum
 from jaxquant._packing import unpack
-from jaxquant._qtensor import QTensor, is_qtensor, scale_values
+from jaxquant._qtensor import is_qtensor, scale_values
 from jaxquant._quantize import quantize
 from jaxquant.flax._ops import explicit_einsum, fake_quant_act
 from jaxquant.flax._rules import ActSpec, layer_errors
@@ -58,8 +58,14 @@ def promoted_kernel(qt, dtype):
     return qt.dequantize().astype(dtype)
 
 
-def _static_lhs(x, act: ActSpec) -> QTensor:
-    return quantize(x, jnp.asarray(act.scale, jnp.float32), dtype=jnp.int8)
+def _lhs_and_act_quant(lhs, act: ActSpec | None):
+    """``(lhs, act_quant)`` for `qdot_general`: the input as it is with its dynamic `ActQuant`,
+    or quantized with ``act``'s static scale; ``(lhs, None)`` for weight-only."""
+    if act is None:
+        return lhs, None
+    if act.scale is None:
+        return lhs, act.act_quant()
+    return quantize(lhs, jnp.asarray(act.scale, jnp.float32), dtype=jnp.int8), ActQuant()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,12 +87,9 @@ class InferDot:
         if not is_qtensor(rhs):
             return lax.dot_general(lhs, rhs, dimension_numbers, precision,
                                    **_kwargs(out_sharding, preferred_element_type))
-        aq, out = None, preferred_element_type or lhs.dtype
+        out = preferred_element_type or lhs.dtype
         with layer_errors(self.where):
-            if self.act is not None:
-                aq = self.act.act_quant()
-                if self.act.scale is not None:
-                    lhs, aq = _static_lhs(lhs, self.act), ActQuant()
+            lhs, aq = _lhs_and_act_quant(lhs, self.act)
             return qdot_general(lhs, rhs, dimension_numbers, precision, out,
                                 out_sharding=out_sharding, act_quant=aq)
 
@@ -111,12 +114,9 @@ class InferEinsum:
             return jnp.einsum(subscripts, lhs, rhs, precision=precision, **kwargs,
                               **_kwargs(out_sharding, preferred_element_type))
         s = explicit_einsum(subscripts, lhs.ndim, rhs.ndim)
-        aq, out = None, preferred_element_type or lhs.dtype
+        out = preferred_element_type or lhs.dtype
         with layer_errors(self.where):
-            if self.act is not None:
-                aq = self.act.act_quant()
-                if self.act.scale is not None:
-                    lhs, aq = _static_lhs(lhs, self.act), ActQuant()
+            lhs, aq = _lhs_and_act_quant(lhs, self.act)
             return qeinsum(s, lhs, rhs, precision=precision, preferred_element_type=out,
                            act_quant=aq)
 
@@ -165,8 +165,8 @@ class InferConv:
                 f"the int8 convolution needs a kernel of symmetric signed integer codes of at "
                 f"most 8 bits, quantized per tensor or per output feature (axis "
                 f"{dn.rhs_spec[0]}), got {rhs!r}; use act=None for a weight-only convolution.")
-        x = _static_lhs(lhs, self.act) if self.act.scale is not None else \
-            quantize(lhs, dtype=jnp.int8)
+        scale = None if self.act.scale is None else jnp.asarray(self.act.scale, jnp.float32)
+        x = quantize(lhs, scale, dtype=jnp.int8)
         acc = conv(x.qvalue, unpack(rhs).qvalue.astype(jnp.int8),
                    preferred_element_type=jnp.int32)
         shape = [1] * acc.ndim
