@@ -69,8 +69,8 @@ def _lhs_and_act_quant(lhs, act: ActSpec | None):
 
 
 @dataclasses.dataclass(frozen=True)
-class InferDot:
-    """``dot_general`` over a `QTensor` rhs: weight-only (``act=None``) or int8 x int8.
+class _InferOp:
+    """A layer's op at inference (its ``dot_general``, ``einsum_op`` or convolution).
 
     Attributes:
       act: the input's `ActSpec` (int8), or ``None`` (weight-only).
@@ -79,6 +79,10 @@ class InferDot:
 
     act: ActSpec | None
     where: str = ""
+
+
+class InferDot(_InferOp):
+    """``dot_general`` over a `QTensor` rhs: weight-only (``act=None``) or int8 x int8."""
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
@@ -94,17 +98,8 @@ class InferDot:
                                 out_sharding=out_sharding, act_quant=aq)
 
 
-@dataclasses.dataclass(frozen=True)
-class InferEinsum:
-    """``jnp.einsum``-like op (nnx ``einsum_op``) over a `QTensor` rhs, through `qeinsum`.
-
-    Attributes:
-      act: the input's `ActSpec` (int8), or ``None`` (weight-only).
-      where: the layer, put in front of errors (nnx; linen's interceptor names it).
-    """
-
-    act: ActSpec | None
-    where: str = ""
+class InferEinsum(_InferOp):
+    """``jnp.einsum``-like op (nnx ``einsum_op``) over a `QTensor` rhs, through `qeinsum`."""
 
     def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None,
                  out_sharding=None, **kwargs):
@@ -121,22 +116,14 @@ class InferEinsum:
                            act_quant=aq)
 
 
-@dataclasses.dataclass(frozen=True)
-class InferConv:
+class InferConv(_InferOp):
     """``lax.conv_general_dilated`` over a `QTensor` kernel.
 
     Weight-only: the kernel is dequantized inside the jitted convolution.
     int8 x int8 -> int32 (``act`` given): the input gets one scale (static, or
     its absmax / 127), the kernel needs symmetric integer codes of at most 8
     bits, per tensor or per output feature.
-
-    Attributes:
-      act: the input's `ActSpec` (int8), or ``None`` (weight-only).
-      where: the layer, put in front of errors (nnx; linen's interceptor names it).
     """
-
-    act: ActSpec | None
-    where: str = ""
 
     def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
                  rhs_dilation=None, dimension_numbers=None, feature_group_count=1,
