@@ -65,6 +65,8 @@ def test_quantize_tree(tmp_path):
     names = [c["name"] for c in report["cases"]]
     assert names[0] == "jaxquant quantize_tree"
     assert report["cases"][0]["compile_s"] > 0
+    assert report["report"]["rows"] == 2 + 12 * 12 + 2  # every leaf has a row
+    assert report["report"]["compared"] == 2 + 12 * 4  # the int8 leaves: embeddings, kernels
 
 
 def test_inference_mlp(tmp_path):
