@@ -29,7 +29,8 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._formats import get_format
 from jaxquant._qtensor import QTensor
-from jaxquant._quantize import dequantize, quantize
+from jaxquant._quantize import check_flags, dequantize, quantize
+from jaxquant._rounding import exponent, pow2
 
 __all__ = ["gptq"]
 
@@ -74,7 +75,9 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
     Args:
       w: a float kernel of shape ``(in, out)``, used as ``x @ w``.
       hessian: ``(in, in)``, the sum of ``x^T x`` over calibration inputs ``x`` of shape
-        ``(rows, in)`` (any positive multiple: only its directions matter).
+        ``(rows, in)`` (any positive multiple: only its directions matter; it is scaled
+        by a power of four before it is factored, so results do not depend on its
+        magnitude). Only its symmetric part ``(H + H^T) / 2`` is used.
       dtype: the code format (integer, float8 or a codebook name, as in `quantize`).
       axis: ``-1`` (or ``1``) for one scale per output channel; ``0`` (or ``-2``) with
         ``block_size`` for blocks of ``block_size`` input rows (the group size).
@@ -88,12 +91,13 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
       axis=axis, block_size=block_size, symmetric=symmetric)`` would be.
 
     Raises:
-      TypeError: ``hessian`` not a real (float or integer) array.
+      TypeError: ``hessian`` not a real (float or integer) array; ``symmetric`` or
+        ``act_order`` not a bool.
       ValueError: ``w`` not a 2-D float array, ``hessian`` not ``(in, in)``, an axis or
         block size other than the ones above (codebooks need blocks), a negative or
         infinite ``damp``; a damped ``hessian`` that is not positive definite (singular,
-        indefinite or not finite; raising ``damp`` helps a singular one). Under ``jit``,
-        where that cannot raise, the scales come back NaN instead.
+        indefinite, or a NaN or inf in any entry; raising ``damp`` helps a singular one).
+        Under ``jit``, where that cannot raise, the scales come back NaN instead.
 
     Example:
       >>> x = jax.random.normal(jax.random.key(0), (256, 64))
@@ -106,11 +110,15 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
       True
     """
     w, hessian = jnp.asarray(w), jnp.asarray(hessian)
+    check_flags(symmetric=symmetric, act_order=act_order)
     axis, block_size = _check(w, hessian, axis, block_size, damp)
     fmt = get_format(dtype, argname="dtype")
     if fmt.is_codebook and block_size is None:
         raise ValueError(f"dtype {fmt.name} scales blocks of input rows: pass axis=0 and a "
                          f"block_size (bitsandbytes uses 64); got axis={axis}, block_size=None.")
+    if w.shape[0] == 0:  # no input rows: nothing to compensate, quantize's empty QTensor
+        return quantize(w, dtype=dtype, axis=axis, block_size=block_size,
+                        symmetric=bool(symmetric))
     qt, factored = _gptq(w, hessian, fmt.name, block_size, bool(symmetric), float(damp),
                          bool(act_order))
     if not isinstance(factored, jax.core.Tracer) and not bool(factored):
@@ -125,13 +133,18 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
 def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTensor:
     k, n = w.shape
     wf, h = w.astype(jnp.float32), hessian.astype(jnp.float32)
+    finite = jnp.all(jnp.isfinite(h))  # the factorizations read one triangle only
     h = h + jnp.diag((jnp.diag(h) == 0).astype(jnp.float32))  # inputs never seen: no coupling
+    # A power of four (exact, also for the square roots of the Cholesky factors) brings the
+    # largest diagonal entry to [1, 4): no overflow or underflow for any magnitude.
+    h = h * pow2(jnp.clip(-2 * (exponent(jnp.max(jnp.diag(h))) // 2), -126, 126))
+    h = h * 0.5 + h.T * 0.5  # the symmetric part (exact for a symmetric h)
     perm = jnp.argsort(-jnp.diag(h), stable=True) if act_order else jnp.arange(k)
     h = h[perm][:, perm]
     h = h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(k, dtype=jnp.float32)
     h_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(h), jnp.eye(k))
     u = jnp.linalg.cholesky(h_inv).T  # upper: H^-1 = U^T U
-    factored = jnp.all(jnp.isfinite(u))  # NaN where a Cholesky factorization failed
+    factored = finite & jnp.all(jnp.isfinite(u))  # NaN where a Cholesky factorization failed
     kw = dict(dtype=dtype, symmetric=symmetric)
     if block_size is None:  # per output channel, from w
         base = quantize(wf, axis=1, **kw)

@@ -2,14 +2,21 @@
 
 A computed float32 scale (``absmax / max_finite`` per group) is stored as:
 
-* ``float32`` (the default), ``bfloat16`` or ``float16``: rounded to nearest;
+* ``float32`` (the default), ``bfloat16`` or ``float16``: rounded to nearest,
+  except that a scale beyond the dtype's largest finite value is stored as
+  that value (never inf: its group would dequantize to NaN), and one below
+  its smallest normal is rounded up to the next representable value (never
+  0, and never a subnormal below the ideal scale, whose coarse spacing would
+  clip the group's largest values);
 * ``float8_e8m0fnu`` (OCP Microscaling): a power of two ``2**e``. The
   exponent is chosen from the group's absmax by ``scale_rounding``:
 
-  - ``"floor"``: ``e = floor(log2(absmax)) - emax`` (``emax`` the exponent of
-    the element format's largest power of two), the OCP MX v1.0 rule. The
-    largest values of a group may then clip (up to 2x the element maximum).
-  - ``"ceil"``: the smallest ``e`` with ``absmax / 2**e <= max_finite``: never
+  - ``"floor"``: ``e = floor(log2(absmax)) - emax``, the OCP MX v1.0 rule;
+    ``emax`` is the exponent of the largest power of two within the element
+    maximum ``top``: the largest finite value, or for unsigned integer formats
+    ``qmax - zero_point`` (their symmetric codes sit around the mid-range zero
+    point). The largest values of a group may then clip (up to 2x ``top``).
+  - ``"ceil"``: the smallest ``e`` with ``absmax / 2**e <= top``: never
     clips, at the cost of one bit of resolution in some groups.
   - ``"up_on_overflow"``: ``"floor"``, raised by one only where the group's
     largest value would round beyond the element maximum; values that round
@@ -87,6 +94,10 @@ def scale_options(scale_dtype: DTypeLike | None, scale_rounding: str, double_qua
         if not ok:
             raise TypeError(f"scale_dtype must be one of float32, bfloat16, float16, "
                             f"float8_e8m0fnu, float8_e4m3fn, float8_e5m2; got {scale_dtype!r}.")
+    if scale_rounding != "floor" and (dt is None or dt.name != "float8_e8m0fnu"):
+        raise ValueError(f"scale_rounding={scale_rounding!r} rounds float8_e8m0fnu (power of two) "
+                         f"scales; it has no effect on scale_dtype="
+                         f"{'float32' if dt is None else dt.name}. Leave it at 'floor'.")
     options = ScaleOptions(dt, scale_rounding, bool(double_quant))
     if double_quant and dt is not None and dt.name not in ("float32", "float8_e4m3fn",
                                                            "float8_e5m2"):
@@ -97,14 +108,22 @@ def scale_options(scale_dtype: DTypeLike | None, scale_rounding: str, double_qua
     return options
 
 
+def _top(fmt: Format) -> float:
+    """The largest magnitude a symmetric code reaches: ``qmax - zero_point`` for unsigned
+    integers (their mid-range zero point), else the largest finite value."""
+    if fmt.is_integer and not fmt.signed:
+        return float(int(fmt.qmax) - (int(fmt.qmax) + 1) // 2)
+    return fmt.max_finite
+
+
 def _emax(fmt: Format) -> int:
-    return math.floor(math.log2(fmt.max_finite))
+    return math.floor(math.log2(_top(fmt)))
 
 
 def _half_top_gap(fmt: Format) -> tuple[float, bool]:
     """(half the gap above the largest element, whether a tie there rounds up)."""
     if fmt.is_integer:
-        return 0.5, int(fmt.qmax) % 2 == 1
+        return 0.5, int(_top(fmt)) % 2 == 1
     dt = getattr(ml_dtypes, fmt.name, None) if fmt.is_codebook else fmt.dtype
     if dt is None:  # NF4 / FP4 tables: any value beyond the end overflows
         return 0.0, False
@@ -118,10 +137,10 @@ def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
     if rounding != "floor":
         t = amax * pow2(jnp.clip(-e, -126, 127))  # exact: amax / 2**e
         if rounding == "ceil":
-            over = t > fmt.max_finite
+            over = t > _top(fmt)
         else:
             half, tie_up = _half_top_gap(fmt)
-            limit = fmt.max_finite + half
+            limit = _top(fmt) + half
             over = (t > limit) | ((t == limit) & tie_up) if half else t > limit
         e = e + over.astype(jnp.int32)
     e = jnp.where(amax > 0, jnp.clip(e, -126, 127), 0)  # all-zero groups: scale 1
@@ -169,5 +188,17 @@ def store_scale(scale: jax.Array, amax: jax.Array, fmt: Format, options: ScaleOp
         nested = dataclasses.replace(
             nested, qvalue=jax.lax.bitcast_convert_type(bits, nested.qvalue.dtype))
         return nested, dequantize_values(nested)
-    stored = keep_rounding(scale.astype(dt)) if dt is not None else scale
+    stored = _plain_scale(scale, dt) if dt is not None and dt.name != "float32" else scale
     return stored, stored.astype(jnp.float32)
+
+
+def _plain_scale(scale: jax.Array, dt: np.dtype) -> jax.Array:
+    """float32 scales (positive, or NaN/inf) as ``dt``: to nearest, saturating at the
+    largest finite value, rounded up below the smallest normal (never to 0)."""
+    info = ml_dtypes.finfo(dt)
+    s = jnp.where(jnp.isfinite(scale), jnp.minimum(scale, jnp.float32(info.max)), scale)
+    stored = keep_rounding(s.astype(dt))
+    uint = jnp.dtype(f"uint{8 * dt.itemsize}")
+    up = (stored.astype(jnp.float32) < s) & (s < jnp.float32(info.smallest_normal))
+    bumped = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(stored, uint) + 1, dt)
+    return jnp.where(up, bumped, stored)

@@ -17,7 +17,10 @@ values, summed in float32):
   float32 ``dot_general``; runs on every backend.
 
 The default picks ``"cudnn"`` when the default backend is a GPU and the
-operands are of one of the two cuDNN combinations, ``"xla"`` otherwise.
+operands are of one of the two cuDNN combinations with ``K`` a multiple of
+the block size (`jax.nn.scaled_matmul` infers the block length as ``K``
+divided by the number of scales, so a partial last block would be read as
+blocks of another length), ``"xla"`` otherwise.
 """
 
 from __future__ import annotations
@@ -64,6 +67,8 @@ def _cudnn_ready(qt: QTensor) -> bool:
     s = qt.scale
     if is_qtensor(s) and s.layout.kind != "tensor":
         return False
+    if qt.shape[-1] % qt.block_size:  # jax.nn.scaled_matmul infers blocks as K // n_scales
+        return False
     scale_dtype = (s.qvalue if is_qtensor(s) else s).dtype
     return (qt.format.name, np.dtype(scale_dtype).name, qt.block_size) in _CUDNN
 
@@ -86,10 +91,12 @@ def scaled_matmul(lhs: QTensor, rhs: QTensor, *,
       ``(M, N)`` or ``(B, M, N)`` in ``preferred_element_type``.
 
     Raises:
-      TypeError: an operand that is not a QTensor.
+      TypeError: an operand that is not a QTensor, or a ``preferred_element_type``
+        that is not a dtype.
       ValueError: ranks, layouts, contracting sizes or block sizes that do not
-        match; ``"cudnn"`` for operands cuDNN does not take or without a GPU; a
-        ``preferred_element_type`` that is not a float dtype.
+        match; ``"cudnn"`` for operands cuDNN does not take (other formats, a
+        partial last block) or without a GPU; a ``preferred_element_type`` that
+        is not a float dtype.
 
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
@@ -114,11 +121,16 @@ def scaled_matmul(lhs: QTensor, rhs: QTensor, *,
     ready = _cudnn_ready(lhs) and _cudnn_ready(rhs) and lhs.format == rhs.format
     if implementation == "cudnn":
         if not ready or jax.default_backend() != "gpu":
-            raise ValueError(f"implementation='cudnn' needs a GPU and MXFP8 or NVFP4 operands; "
-                             f"got backend {jax.default_backend()!r} and {lhs!r}, {rhs!r}.")
+            raise ValueError(f"implementation='cudnn' needs a GPU and MXFP8 or NVFP4 operands "
+                             f"of one format whose K is a multiple of the block size; got "
+                             f"backend {jax.default_backend()!r} and {lhs!r}, {rhs!r}.")
     use_cudnn = implementation == "cudnn" or (implementation is None and ready
                                               and jax.default_backend() == "gpu")
-    out = np.dtype(preferred_element_type)
+    try:
+        out = np.dtype(preferred_element_type)
+    except TypeError:
+        raise TypeError(f"preferred_element_type must be a float dtype, got "
+                        f"{preferred_element_type!r}.") from None
     if not jnp.issubdtype(out, jnp.floating):
         raise ValueError(f"preferred_element_type must be a float dtype, got {out}.")
     if use_cudnn:
