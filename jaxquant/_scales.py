@@ -28,10 +28,12 @@ from jaxquant._rounding import SMALLEST_NORMAL, divide
 __all__ = ["compute_scale", "scale_from_range"]
 
 
-def _safe(scale: jax.Array) -> jax.Array:
-    """Scales of at least the smallest normal; all-zero groups 1, NaN groups NaN."""
+def _safe(scale: jax.Array, nonzero: jax.Array) -> jax.Array:
+    """Scales of at least the smallest normal where the group's range is ``nonzero`` (also
+    where the quotient underflowed to 0: a group of tiny values keeps them); all-zero
+    groups 1, NaN groups NaN."""
     fallback = jnp.where(jnp.isnan(scale), scale, jnp.float32(1))
-    return jnp.where(scale > 0, jnp.maximum(scale, SMALLEST_NORMAL), fallback)
+    return jnp.where(nonzero, jnp.maximum(scale, SMALLEST_NORMAL), fallback)
 
 
 def scale_from_range(
@@ -58,9 +60,9 @@ def scale_from_range(
     if symmetric or not fmt.is_integer:
         amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
         if not fmt.is_integer or fmt.signed:
-            return _safe(divide(amax, jnp.float32(fmt.qmax))), None
+            return _safe(divide(amax, jnp.float32(fmt.qmax)), amax > 0), None
         mid = (int(fmt.qmax) + 1) // 2
-        scale = _safe(divide(amax, jnp.float32(fmt.qmax - mid)))
+        scale = _safe(divide(amax, jnp.float32(fmt.qmax - mid)), amax > 0)
         return scale, jnp.full(scale.shape, mid, fmt.dtype)
     lo = jnp.minimum(lo, 0.0)
     hi = jnp.maximum(hi, 0.0)
@@ -68,7 +70,7 @@ def scale_from_range(
     span = hi - lo  # overflows to inf for finite ranges wider than float32's largest value
     scale = jnp.where(jnp.isinf(span) & jnp.isfinite(lo) & jnp.isfinite(hi),
                       divide(hi, n) - divide(lo, n), divide(span, n))
-    scale = _safe(scale)
+    scale = _safe(scale, hi > lo)
     zp = jnp.float32(fmt.qmin) - jnp.round(divide(lo, scale))
     return scale, jnp.clip(zp, fmt.qmin, fmt.qmax).astype(fmt.dtype)
 

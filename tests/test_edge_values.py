@@ -269,3 +269,19 @@ def test_an_mx_block_holding_a_nan_gets_the_nan_scale(scheme):
     deq = np.asarray(qt.dequantize())
     assert np.isnan(deq[0, :32]).all() and np.isfinite(deq[0, 32:]).all()
     assert np.isnan(np.asarray(jq.fake_quant(x, dtype=scheme))[0, :32]).all()
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(dtype=jnp.uint8, symmetric=False),
+                                dict(dtype=jnp.uint4, axis=0),
+                                dict(dtype=jnp.float8_e4m3fn, axis=0)],
+                         ids=["int8", "uint8-affine", "uint4", "fp8"])
+def test_tiny_normal_groups_keep_their_values(kw):
+    # regression: absmax / qmax underflowed to 0 on CPU (a subnormal, flushed), and the
+    # group was taken for all zeros: scale 1, every code 0
+    x = np.array([5e-38, -2.5e-38, 6e-38, 3e-38], np.float32)  # normal, / qmax subnormal
+    qt = jq.quantize(jnp.asarray(x), **kw)
+    scale = np.asarray(jax.device_get(qt.scale), np.float64)
+    assert np.all(scale > 0) and np.all(scale < 1e-30)
+    y = np.asarray(jq.dequantize(qt), np.float64)
+    step = scale if kw.get("dtype") != jnp.float8_e4m3fn else np.abs(x) / 8
+    assert np.all(np.abs(y - x) <= 0.5 * step + 1e-45), (x, y)
