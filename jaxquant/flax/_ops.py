@@ -32,17 +32,54 @@ _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
 
 def _explicit_kwargs(spec: QuantSpec) -> dict:
-    tiles = isinstance(spec.block_size, tuple)  # a tile along every axis: no axis
-    return dict(dtype=spec.dtype, axis=None if tiles else spec.axis,
-                block_size=spec.block_size, saturate=spec.saturate)
+    """Arguments of `quantize` / `fake_quant` with a given scale in the layout that
+    ``spec`` computes: a codebook's default blocks (``"nf4"``: 64 along the last axis)
+    spelled out, since a given scale takes its granularity from ``axis`` and
+    ``block_size`` alone."""
+    r = resolve(spec.dtype, spec.axis, spec.block_size, spec.scale_dtype)
+    tiles = isinstance(r.block_size, tuple)  # a tile along every axis: no axis
+    return dict(dtype=spec.dtype, axis=None if tiles else r.axis,
+                block_size=r.block_size, saturate=spec.saturate)
+
+
+def _fixed_zero_point(spec: QuantSpec, scale: jax.Array) -> jax.Array | None:
+    """The zero point a symmetric spec of an unsigned integer format always has (the
+    mid-range code, ``128`` for uint8, as `quantize` and PyTorch's symmetric ``quint8``
+    use), as a constant of the code dtype shaped like ``scale``; ``None`` otherwise."""
+    fmt = resolve(spec.dtype, spec.axis, spec.block_size, spec.scale_dtype).fmt
+    if not (spec.symmetric and fmt.is_integer and not fmt.signed):
+        return None
+    return jnp.full(jnp.shape(scale), (int(fmt.qmax) + 1) // 2, fmt.dtype)
 
 
 def fake_quant_weight(w: jax.Array, spec: QuantSpec, scale: jax.Array | None = None,
                       zero_point: jax.Array | None = None):
     """``dequantize(spec(w))`` with STE gradients; LSQ (LSQ+ with a float ``zero_point``)
-    gradients for a given ``scale``."""
+    gradients for a given ``scale``.
+
+    Args:
+      w: the float kernel.
+      spec: its `QuantSpec`.
+      scale: ``None`` (computed from ``w``) or the learned scale, in ``spec``'s layout.
+      zero_point: the learned float zero point of an asymmetric ``spec``, or ``None``
+        (a symmetric unsigned spec then keeps its fixed mid-range zero point).
+
+    Returns:
+      The fake-quantized kernel, of ``w``'s shape and dtype.
+
+    Raises:
+      TypeError, ValueError: as `jaxquant.fake_quant` (a spec that does not fit ``w``).
+
+    Example:
+      >>> w = jnp.array([[-1.0, 0.5], [2.0, 1.5]])
+      >>> fake_quant_weight(w, QuantSpec(dtype=jnp.uint8), jnp.array([1.0, 0.5]))
+      Array([[-1. ,  0.5],
+             [ 2. ,  1.5]], dtype=float32)
+    """
     if scale is None:
         return fake_quant(w, **spec.computed_kwargs())
+    if zero_point is None:
+        zero_point = _fixed_zero_point(spec, scale)
     return fake_quant(w, scale.astype(jnp.float32), zero_point, **_explicit_kwargs(spec))
 
 
@@ -50,13 +87,17 @@ def init_qparams(w: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array | 
     """The scale and, for an asymmetric ``spec``, the zero point (as float32) that
     `quantize` computes for ``w``: the LSQ / LSQ+ initial values.
 
+    The fixed zero point of a symmetric unsigned spec is not returned (nothing to learn).
+
     Example:
       >>> w = jnp.array([[-1.0, 0.0], [2.0, 1.5]])  # one scale per output column
       >>> init_qparams(w, QuantSpec(dtype=jnp.int4, symmetric=False))
       (Array([0.2, 0.1], dtype=float32), Array([-3., -8.], dtype=float32))
     """
     qt = quantize(w, symmetric=spec.symmetric, **_explicit_kwargs(spec))
-    return qt.scale, None if qt.zero_point is None else qt.zero_point.astype(jnp.float32)
+    if spec.symmetric or qt.zero_point is None:
+        return qt.scale, None
+    return qt.scale, qt.zero_point.astype(jnp.float32)
 
 
 def learned_qtensor(w: jax.Array, scale: jax.Array, zero_point: jax.Array | None = None,
@@ -64,10 +105,12 @@ def learned_qtensor(w: jax.Array, scale: jax.Array, zero_point: jax.Array | None
     """``w`` quantized with learned values: the codes `fake_quant_weight` trained with.
 
     A float zero point is rounded half to even and clamped to the code range, as
-    in the forward pass of `jaxquant.fake_quant`.
+    in the forward pass of `jaxquant.fake_quant`; without one, a symmetric unsigned
+    spec keeps its fixed mid-range zero point.
     """
-    zp = None
-    if zero_point is not None:
+    if zero_point is None:
+        zp = _fixed_zero_point(spec, scale)
+    else:
         fmt = resolve(spec.dtype, spec.axis, spec.block_size, spec.scale_dtype).fmt
         zp = jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax).astype(fmt.dtype)
     return quantize(w, scale, zp, packed=spec.packed, **_explicit_kwargs(spec))

@@ -14,101 +14,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
 
 import flax
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._boxes import box_qtensor
 from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, linen_input_grams
 from jaxquant.flax._infer_ops import InferPromote
-from jaxquant.flax._linen_infer import (
-    check_kernel_shape,
-    einsum_str,
-    get_param,
-    infer,
-)
-from jaxquant.flax._ops import (
-    QATDot,
-    QATPromote,
-    einsum_contract,
-    fake_quant_weight,
-    init_qparams,
-    learned_qtensor,
-)
+from jaxquant.flax._linen_infer import check_kernel_shape, get_param, infer
+from jaxquant.flax._linen_qat import kernel_name, qat, setup_embed, unrecorded
+from jaxquant.flax._ops import QATPromote, learned_qtensor
 from jaxquant.flax._rules import QuantConfig, Rules, check_rules, layer_errors, select, unused
 
 __all__ = ["QuantizedLinen", "quantize_linen"]
 
 LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Einsum, nn.Embed)
-
-
-def _kernel_name(m) -> str:
-    return "embedding" if isinstance(m, nn.Embed) else "kernel"
-
-
-def _contract(m, method, args, kwargs):
-    if isinstance(m, nn.Conv):
-        return None
-    if isinstance(m, nn.DenseGeneral):
-        return tuple(m.axis) if isinstance(m.axis, tuple | list) else (m.axis,)
-    if isinstance(m, nn.Einsum):
-        return einsum_contract(einsum_str(m, args, kwargs))
-    return (-1,)
-
-
-def _learned(scope, name: str, spec, kernel):
-    """The ``"quant"`` variables ``<name>_scale`` and (asymmetric ``spec``)
-    ``<name>_zero_point`` as ``(scale, zero_point or None)``, created at init from the
-    values `jaxquant.quantize` computes for ``kernel``."""
-    names = (name + "_scale", None if spec.symmetric else name + "_zero_point")
-    if not scope.has_variable("quant", names[0]):  # Embed: lookup and attend share them
-        for n, value in zip(names, init_qparams(kernel, spec), strict=True):
-            if n is not None:
-                scope.put_variable("quant", n, value)
-    return tuple(n and scope.get_variable("quant", n) for n in names)
-
-
-def _qat(m, method: str, cfg: QuantConfig, args, kwargs):
-    weight, act = cfg.weight, cfg.act
-    updates: dict[str, Any] = {}
-    if cfg.int8_dot and isinstance(m, nn.Dense | nn.DenseGeneral):
-        updates.update(dot_general=QATDot(weight, act), dot_general_cls=None)
-        weight = act = None
-    scale = None
-    if cfg.learn_scale:
-        scale = functools.partial(_learned, m.scope, _kernel_name(m), weight)
-    promote = QATPromote(m.promote_dtype, weight, act, _contract(m, method, args, kwargs),
-                         scale)
-    if isinstance(m, nn.Embed):  # set up already: a clone would create its table again
-        table = get_param(m, "embedding")  # float (`m.embedding` is fake-quantized: `_setup`)
-        if method == "attend":
-            query, table = promote(args[0] if args else kwargs["query"], table, dtype=m.dtype)
-            return jnp.dot(query, table.T)
-        (table,) = promote(table, dtype=m.dtype, inexact=False)
-        inputs = args[0] if args else kwargs["inputs"]
-        if not jnp.issubdtype(inputs.dtype, jnp.integer):
-            raise ValueError(f"Embed inputs must be integer indices, got dtype {inputs.dtype}.")
-        if m.num_embeddings == 1:
-            return jnp.broadcast_to(table, inputs.shape + (m.features,))
-        return jnp.take(table, inputs, axis=0)
-    updates["promote_dtype"] = promote
-    return getattr(m.clone(parent=m.scope, **updates), method)(*args, **kwargs)
-
-
-def _setup(m, cfg: QuantConfig | None, stored) -> None:
-    """``Embed.embedding`` read directly (a tied head ``h @ embed.embedding.T``) holds
-    what the rule's layers compute with: the dequantized table of a QTensor, the
-    fake-quantized table in training (a weight rule), else the float table."""
-    if is_qtensor(stored):
-        m.embedding = stored.dequantize()
-    elif cfg is not None and cfg.weight is not None:
-        sz = _learned(m.scope, "embedding", cfg.weight, stored) if cfg.learn_scale else ()
-        m.embedding = fake_quant_weight(stored, cfg.weight, *sz)
 
 
 def _interceptor(rules, record: dict | None = None):
@@ -121,22 +44,23 @@ def _interceptor(rules, record: dict | None = None):
             return next_fun(*args, **kwargs)
         path = "/".join(m.path)
         cfg, _ = select(path, rules)
-        name = _kernel_name(m)
+        name = kernel_name(m)
         stored = get_param(m, name)
-        if method == "setup":  # Embed: lookup and attend read the table in `infer` / `_qat`
+        where = f"layer {path!r} ({type(m).__name__})"
+        if method == "setup":  # Embed: lookup and attend read the table in `infer` / `qat`
             if not is_qtensor(stored):
                 next_fun(*args, **kwargs)
-            return _setup(m, cfg, get_param(m, name))
-        where = f"layer {path!r} ({type(m).__name__})"
+            with layer_errors(where):
+                return setup_embed(m, cfg, get_param(m, name))
         if is_qtensor(stored):
             check_kernel_shape(m, name, stored, args, kwargs)
-            with layer_errors(where):
+            with layer_errors(where), unrecorded():
                 return infer(m, method, None if cfg is None else cfg.act, stored, args, kwargs)
         if cfg is None or (cfg.weight is None and cfg.act is None):
             y = next_fun(*args, **kwargs)
         else:
             with layer_errors(where):
-                y = _qat(m, method, cfg, args, kwargs)
+                y = qat(m, method, cfg, args, kwargs)
         if record is not None:
             record[path] = (type(m).__name__, name, np.shape(get_param(m, name)), cfg)
         return y
