@@ -38,7 +38,8 @@ class LeafReport:
         for a leaf kept as it is.
       granularity: ``"per-tensor"``, ``"axis=1"``, ``"axis=0 block=32"``, or
         ``"-"`` for a kept leaf.
-      dtype: the original dtype (for a `QTensor`, the dtype it dequantizes to).
+      dtype: the original dtype, that of the leaf of ``tree`` (described alone, a
+        `QTensor`'s is the dtype it dequantizes to).
       nbytes_before: bytes of the original leaf.
       nbytes_after: bytes of the stored leaf (`QTensor.nbytes`: codes at their
         bit width, plus scale and zero point).
@@ -84,7 +85,11 @@ def _granularity(qt: QTensor) -> str:
 
 
 def _dtype(leaf) -> np.dtype:
-    return np.dtype(leaf.dtype) if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
+    """The leaf's dtype: a NumPy one, or JAX's own for a PRNG key array (no NumPy dtype)."""
+    if not hasattr(leaf, "dtype"):
+        return np.asarray(leaf).dtype
+    extended = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
+    return leaf.dtype if extended else np.dtype(leaf.dtype)
 
 
 def _scaled_square_sum(v: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -200,10 +205,10 @@ def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan,
          compared: bool = False, *, alone: bool = False) -> LeafReport:
     """The row of leaf ``q`` (``ref`` its original); ``alone``: no original was given."""
     if is_qtensor(q):
-        fmt = format_name(q) + ("(packed)" if q.packed else "")
-        gran, dtype = _granularity(q), np.dtype(q.dtype)
+        fmt, gran = format_name(q) + ("(packed)" if q.packed else ""), _granularity(q)
     else:
-        fmt, gran, dtype = "-", "-", _dtype(q)
+        fmt, gran = "-", "-"
+    dtype = _dtype(ref)  # the original's (alone, ref is q: a QTensor's float dtype)
     before = math.prod(q.shape) * dtype.itemsize if alone and is_qtensor(q) else leaf_nbytes(ref)
     return LeafReport(path=path, shape=tuple(int(d) for d in np.shape(q)), format=fmt,
                       granularity=gran, dtype=dtype.name, nbytes_before=before,

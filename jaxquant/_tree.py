@@ -20,6 +20,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._formats import CODEBOOKS, get_format
+from jaxquant._granularity import _is_int
 from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
 from jaxquant._qtensor import QTensor, is_qtensor
@@ -54,7 +55,7 @@ class QuantSpec:
       double_quant: quantize the scales themselves to float8 (groups of 256).
 
     Raises:
-      TypeError: unknown format or scale dtype.
+      TypeError: unknown format or scale dtype; ``axis`` not an int or ``None``.
       ValueError: ``block_size <= 0``, ``block_size`` without ``axis``, a block
         length that contradicts a named format, ``packed`` for a wide format,
         ``symmetric=False`` for a float or codebook format (only integer formats
@@ -85,8 +86,14 @@ class QuantSpec:
         named = isinstance(self.dtype, str) and (self.dtype in SCHEMES or self.dtype in CODEBOOKS)
         if not named:
             object.__setattr__(self, "dtype", get_format(self.dtype).dtype)
-        if isinstance(self.block_size, list):
-            object.__setattr__(self, "block_size", tuple(self.block_size))
+        if self.axis is not None and not _is_int(self.axis):
+            raise TypeError(f"axis must be an int or None, got {self.axis!r}.")
+        # NumPy integers as Python ints: the fields are static metadata, checked below
+        as_int = lambda v: int(v) if _is_int(v) else v  # noqa: E731
+        object.__setattr__(self, "axis", as_int(self.axis))
+        b = self.block_size
+        object.__setattr__(self, "block_size", tuple(map(as_int, b))
+                           if isinstance(b, list | tuple) else as_int(b))
         if self.scale_dtype is not None:
             object.__setattr__(self, "scale_dtype", np.dtype(self.scale_dtype))
         r = resolve(self.dtype, self.axis, self.block_size, self.scale_dtype)
@@ -184,6 +191,10 @@ def _check_rules(rules: Rules):
     """``rules`` validated: ``None``, a `QuantSpec`, or a list of (compiled pattern, spec)."""
     if rules is None or isinstance(rules, QuantSpec):
         return rules
+    if isinstance(rules, tuple) and len(rules) == 2 and isinstance(rules[0], str) \
+            and (rules[1] is None or isinstance(rules[1], QuantSpec)):
+        raise TypeError(f"rules must be a sequence of (pattern, QuantSpec | None) pairs, got "
+                        f"one pair {rules!r}; wrap it in a list: [{rules!r}].")
     if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Iterable):
         raise TypeError(f"rules must be None, a QuantSpec or a sequence of (pattern, QuantSpec "
                         f"| None) pairs, got {type(rules).__name__}: {rules!r}.")
@@ -352,11 +363,14 @@ def dequantize_tree(tree: Any) -> Any:
 
 def leaf_nbytes(leaf) -> int:
     """Storage bytes of one leaf: `QTensor.nbytes` / `PackedArray.nbytes` for a record,
-    else ``size * itemsize`` of the leaf as a NumPy array (a Python float: 8)."""
+    else ``size * itemsize`` of the leaf as a NumPy array (a Python float: 8; a PRNG key
+    array: its key data)."""
     if is_record(leaf):
         return leaf.nbytes
     dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-    return math.prod(np.shape(leaf)) * np.dtype(dtype).itemsize
+    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # extended: no NumPy dtype
+        dtype = np.dtype(dtype)
+    return math.prod(np.shape(leaf)) * dtype.itemsize
 
 
 def tree_nbytes(tree: Any) -> int:
