@@ -5,7 +5,11 @@ The public names are those of ``jaxquant.__all__``, of every public submodule li
 exist. A name is documented by a mkdocstrings directive ``::: <namespace>.<name>`` (for
 example ``::: jaxquant.quantize`` or ``::: jaxquant.calibration.minmax``) on a line of its
 own in some ``docs/**/*.md``. These checks parse the markdown and need no mkdocs; the last
-test builds the site with ``mkdocs build --strict`` when mkdocs is installed.
+test of that part builds the site with ``mkdocs build --strict`` when mkdocs is installed.
+
+The tests after it hold README.md and ARCHITECTURE.md to the code: the set-up commands against
+pyproject.toml and ``.ci/run``, the module lists against the package's files, the command line
+example and options against ``jaxquant quantize``, the checkpoint format against its header.
 """
 
 from __future__ import annotations
@@ -187,3 +191,167 @@ def test_mkdocs_build_strict(tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     html = (tmp_path / "site" / "api" / "core" / "index.html").read_text(encoding="utf-8")
     assert "jaxquant.quantize" in html and "Examples:" in html
+
+
+# --- README.md and ARCHITECTURE.md against the code ----------------------------------------
+# The README's Python examples are doctests, run by pytest itself (``--doctest-glob=README.md``
+# in pyproject.toml); the tests below check the rest of what the two files say: the set-up
+# commands, the module lists, the command line example and the checkpoint format's header.
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+ARCHITECTURE = (ROOT / "ARCHITECTURE.md").read_text(encoding="utf-8")
+PACKAGE = ROOT / "jaxquant"
+
+
+def _section(text: str, heading: str) -> str:
+    """The body of the markdown section ``## heading`` (up to the next ``## ``)."""
+    match = re.search(rf"^## {re.escape(heading)}\n(.*?)(?=^## |\Z)", text, re.MULTILINE | re.DOTALL)
+    assert match, f"no '## {heading}' section"
+    return match.group(1)
+
+
+def _modules() -> set[str]:
+    """``jaxquant``'s Python files, relative to the package (``_tree.py``, ``flax/nnx.py``)."""
+    return {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py")
+            if "__pycache__" not in p.parts}
+
+
+def test_readme_examples_are_doctests():
+    import tomllib
+
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    pytest_config = config["tool"]["pytest"]["ini_options"]
+    assert "README.md" in pytest_config["testpaths"]
+    assert "--doctest-glob=README.md" in pytest_config["addopts"].split()
+    assert README.count("```python\n>>> ") >= 5  # the examples are doctests, not plain code
+
+
+def test_readme_setup_commands_match_pyproject_and_ci():
+    """The README opens with two commands, an install + demo and an install + the tests, that
+    name existing extras, and the second is the one `.ci/run` executes."""
+    import tomllib
+
+    first_block = re.search(r"```bash\n(.*?)```", README, re.DOTALL)
+    assert first_block and README.index(first_block.group(0)) < README.index("\n## ")
+    lines = first_block.group(1).strip().splitlines()
+    assert len(lines) == 2, lines
+    demo, test = lines
+    assert re.fullmatch(r"python3 -m venv \.venv && \.venv/bin/pip install \. && "
+                        r"\.venv/bin/jaxquant demo", demo), demo
+    assert re.fullmatch(r"python3 -m venv \.venv && \.venv/bin/pip install '\.\[test\]' && "
+                        r"\.venv/bin/python -m pytest( .*)?", test), test
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
+    assert "test" in config["project"]["optional-dependencies"]
+    assert config["project"]["scripts"]["jaxquant"] == "jaxquant._cli:main"
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+    ci_pattern = re.search(r"grep -m1 -E '([^']+)' README\.md", ci).group(1)
+    assert [ln for ln in README.splitlines() if re.search(ci_pattern, ln)][0] == test
+
+
+def test_readme_extras_exist():
+    import tomllib
+
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))[
+        "project"]["optional-dependencies"]
+    named = set()
+    for spec in re.findall(r"pip install '(?:\.|jaxquant)\[([\w,]+)\]'", README):
+        named.update(spec.split(","))
+    assert named >= {"test", "io", "docs", "notebooks", "minilm"}, named
+    assert named <= set(extras), sorted(named - set(extras))
+
+
+def test_architecture_module_table_lists_every_module():
+    """Every file of the package has a row in ARCHITECTURE.md's module table, and every row
+    names a file that exists."""
+    rows = re.findall(r"^\| (`[^|]*`) \|", ARCHITECTURE, re.MULTILINE)
+    listed = {name for row in rows for name in re.findall(r"`([\w/]+\.py)`", row)}
+    assert listed, "no module table in ARCHITECTURE.md"
+    missing, stale = _modules() - listed, listed - _modules()
+    assert not missing, f"modules without a row in ARCHITECTURE.md: {sorted(missing)}"
+    assert not stale, f"ARCHITECTURE.md rows for modules that do not exist: {sorted(stale)}"
+
+
+def test_readme_layout_names_every_core_module():
+    layout = _section(README, "Layout")
+    named = set(re.findall(r"`(_\w+|__main__)`", layout))
+    core = {Path(m).stem for m in _modules() if "/" not in m} - {"__init__", "calibration"}
+    assert not core - named, f"modules missing from README's Layout: {sorted(core - named)}"
+    assert not named - core, f"README's Layout names no such module: {sorted(named - core)}"
+    assert "jaxquant/calibration.py" in layout and "jaxquant/flax/" in layout
+
+
+def test_demo_format_count_in_readme():
+    from jaxquant._demo import CONFIGS
+
+    words = {"twelve": 12, "thirteen": 13, "fourteen": 14, "fifteen": 15, "sixteen": 16}
+    match = re.search(r"to (\w+) format/granularity combinations", README)
+    assert match, "the README no longer says how many formats the demo runs"
+    quantized = sum(spec is not None for *_, spec in CONFIGS)
+    assert words[match.group(1)] == quantized, f"the demo runs {quantized} combinations"
+
+
+def test_readme_cli_options_are_the_command_lines():
+    """The SPEC options the README lists are those of ``jaxquant quantize --help``, and its
+    example command runs: the rules select what the README says they do."""
+    pytest.importorskip("safetensors")
+    import shlex
+    import tempfile
+
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    import jaxquant as jq
+    from jaxquant._cli import _HELP, main
+    from jaxquant._cli_rules import parse_rule
+
+    section = _section(README, "Command line")
+    options = set(re.findall(r"`:(\w+)", section))
+    in_help = set(re.findall(r'\| "(\w+)', _HELP)) | set(re.findall(r'OPTION := "(\w+)', _HELP))
+    assert options == in_help, (sorted(options), sorted(in_help))
+
+    command = re.search(r"^jaxquant quantize .*$", section, re.MULTILINE).group(0)
+    argv = shlex.split(command)[1:]
+    rules = dict(parse_rule(r) for r in argv[argv.index("--rules") + 1:])
+    assert rules["bias$"] is None
+    assert rules["c_fc"].packed and rules["c_fc"].block_size == 32 and rules["weight"].axis == 0
+
+    rng = np.random.default_rng(0)
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = f"{d}/model.safetensors", f"{d}/model-q.safetensors"
+        save_file({"h.0.mlp.c_fc.weight": rng.standard_normal((64, 32), np.float32),
+                   "h.0.mlp.c_fc.bias": np.zeros(32, np.float32),
+                   "h.0.attn.c_proj.weight": rng.standard_normal((32, 32), np.float32)}, src)
+        argv = [a if a != "model.safetensors" else src for a in argv]
+        argv = [a if a != "model-q.safetensors" else dst for a in argv]
+        assert main([*argv, "--quiet"]) == 0
+        q = jq.load_safetensors(dst)
+        assert main(["report", src, dst]) == 0
+    fc = q["h.0.mlp.c_fc.weight"]
+    assert jq.is_qtensor(fc) and fc.packed and fc.block_size == 32 and fc.axis == 0
+    assert q["h.0.attn.c_proj.weight"].axis == 0
+    assert not jq.is_qtensor(q["h.0.mlp.c_fc.bias"])
+
+
+def test_readme_checkpoint_format_matches_the_header():
+    import numpy as np
+
+    from jaxquant import _serialization as ser
+
+    fmt = README[README.index("**Checkpoint format"):README.index("## Calibration")]
+    version = int(re.search(r"Checkpoint format \(version (\d+)", fmt).group(1))
+    assert version == ser.FORMAT_VERSION, f"the README documents version {version}, files are "\
+        f"written as version {ser.FORMAT_VERSION}"
+    assert f'"version": {version}' in fmt and f'"format": "{ser.FORMAT_NAME}"' in fmt
+    assert all(v in ser._READABLE for v in (1, version)) and "version-1 files still load" in fmt
+    assert f'__metadata__["{ser.HEADER_KEY}"]' in fmt
+    assert f'__metadata__["{ser.HEADER_CRC_KEY}"]' in fmt
+    for field in (*ser._QTENSOR_FIELDS, "codebook", "scale"):
+        assert f"`{field}`" in fmt, field
+    for kind in ("array", "packed", "qtensor"):
+        assert f'"{kind}"' in fmt and kind in ser._KINDS
+    header, _ = ser.encode({"a": np.ones(3, np.float32)}, to_host=True)
+    assert set(header) == {"format", "version", "leaves", "tensors"}
+    assert set(header["tensors"]["a"]) == {"dtype", "shape", "encoding", "crc32"}
+    for encoding in ("raw", "packed", "bitcast"):  # every encoding `storage` reads is named
+        assert f'"{encoding}"' in fmt
+    assert ser.ST_CODES["float8_e8m0fnu"] in fmt
