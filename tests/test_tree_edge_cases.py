@@ -288,3 +288,12 @@ def test_row_dtype_is_the_original_leafs_when_quantizing_changed_it():
     assert format_report([row]).splitlines()[2].split()[5:7] == ["float64", "256"]  # "(4, 8)": 2
     (alone,) = quantization_report(q)  # no original: the dtype it dequantizes to
     assert (alone.dtype, alone.nbytes_before) == ("float32", 4 * 8 * 4)
+
+
+def test_nnx_state_paths_end_in_value_as_the_readme_says():
+    nnx = pytest.importorskip("flax.nnx")
+    state = nnx.state(nnx.Linear(8, 4, rngs=nnx.Rngs(0)))
+    anchored = [("kernel$", jq.QuantSpec())]
+    assert jq.unused_rules(state, anchored) == anchored
+    q = jq.quantize_tree(state, [("kernel/value$", jq.QuantSpec())])
+    assert jq.is_qtensor(q["kernel"].get_value()) and not jq.is_qtensor(q["bias"].get_value())
