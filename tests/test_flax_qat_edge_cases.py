@@ -275,3 +275,36 @@ def test_capture_intermediates_records_each_quantized_layer_once():
             np.testing.assert_allclose(np.asarray(out),
                                        np.asarray(want["intermediates"][name]["__call__"][0]),
                                        rtol=1e-5, atol=1e-6)
+
+
+def test_a_learned_scale_taken_below_zero_is_clamped_as_torch_does():
+    """An optimizer step can take a learned scale to 0 or below: the layer then uses float32's
+    eps (torch's _LearnableFakeQuantize clamps its parameter so), with the LSQ gradient at
+    that value, and inference quantizes with the same scale."""
+    torch = pytest.importorskip("torch")
+    eps = float(np.finfo(np.float32).eps)
+    x = _normal(0, 5, 8)
+    model = nn.Dense(4, use_bias=False)
+    qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(), learn_scale=True))
+    v = qm.init(jax.random.key(0), jnp.asarray(x))
+    scale = np.asarray(v["quant"]["kernel_scale"]).copy()
+    scale[1], scale[3] = -0.16, 0.0
+    v = {"params": v["params"], "quant": {"kernel_scale": jnp.asarray(scale)}}
+    y, vjp = jax.vjp(lambda v: qm.apply(v, jnp.asarray(x)), v)
+    g = _normal(1, *y.shape)
+    (gv,) = vjp(jnp.asarray(g))
+
+    kt = torch.tensor(np.asarray(v["params"]["kernel"]), requires_grad=True)
+    st = torch.tensor(np.maximum(scale, eps), requires_grad=True)
+    fq = torch._fake_quantize_learnable_per_channel_affine(kt, st, torch.zeros(4), 1, -128,
+                                                           127, 1.0)
+    yt = torch.from_numpy(x) @ fq
+    yt.backward(torch.from_numpy(g))
+    assert np.all(np.isfinite(np.asarray(y)))
+    np.testing.assert_allclose(np.asarray(y), yt.detach().numpy(), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(gv["quant"]["kernel_scale"]), st.grad.numpy(),
+                               rtol=1e-5, atol=1e-3)
+    q = qm.quantize_params(v, jnp.asarray(x))
+    assert np.all(np.asarray(q["params"]["kernel"].scale) >= eps)
+    np.testing.assert_allclose(np.asarray(qm.apply(q, jnp.asarray(x))), np.asarray(y),
+                               rtol=1e-5, atol=1e-5)

@@ -26,7 +26,8 @@ from jaxquant._tree import QuantSpec
 from jaxquant.flax._rules import ActSpec, layer_errors
 
 __all__ = ["QATPromote", "QATDot", "QATEinsum", "einsum_contract", "explicit_einsum",
-           "fake_quant_act", "fake_quant_weight", "init_qparams", "learned_qtensor"]
+           "fake_quant_act", "fake_quant_weight", "init_qparams", "learned_qtensor",
+           "learned_scale"]
 
 _LETTERS = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
 
@@ -52,6 +53,30 @@ def _fixed_zero_point(spec: QuantSpec, scale: jax.Array) -> jax.Array | None:
     return jnp.full(jnp.shape(scale), (int(fmt.qmax) + 1) // 2, fmt.dtype)
 
 
+SCALE_EPS = float(jnp.finfo(jnp.float32).eps)  # torch's _LearnableFakeQuantize default
+
+
+@jax.custom_jvp
+def learned_scale(scale: jax.Array) -> jax.Array:
+    """A learned scale as the layer uses it: float32, at least ``SCALE_EPS``.
+
+    As PyTorch's ``_LearnableFakeQuantize`` (which clamps its scale parameter to
+    ``eps`` before each forward pass), an optimizer step that takes a scale to 0
+    or below leaves the layer working; the gradient passes straight through the
+    clamp, so it is the LSQ gradient at the clamped value.
+
+    Example:
+      >>> learned_scale(jnp.array([0.5, -0.25]))
+      Array([5.000000e-01, 1.192093e-07], dtype=float32)
+    """
+    return jnp.maximum(jnp.asarray(scale, jnp.float32), jnp.float32(SCALE_EPS))
+
+
+@learned_scale.defjvp
+def _learned_scale_jvp(primals, tangents):
+    return learned_scale(*primals), jnp.asarray(tangents[0], jnp.float32)
+
+
 def fake_quant_weight(w: jax.Array, spec: QuantSpec, scale: jax.Array | None = None,
                       zero_point: jax.Array | None = None):
     """``dequantize(spec(w))`` with STE gradients; LSQ (LSQ+ with a float ``zero_point``)
@@ -60,7 +85,8 @@ def fake_quant_weight(w: jax.Array, spec: QuantSpec, scale: jax.Array | None = N
     Args:
       w: the float kernel.
       spec: its `QuantSpec`.
-      scale: ``None`` (computed from ``w``) or the learned scale, in ``spec``'s layout.
+      scale: ``None`` (computed from ``w``) or the learned scale, in ``spec``'s layout
+        (used as `learned_scale` gives it: at least float32's eps).
       zero_point: the learned float zero point of an asymmetric ``spec``, or ``None``
         (a symmetric unsigned spec then keeps its fixed mid-range zero point).
 
@@ -80,7 +106,7 @@ def fake_quant_weight(w: jax.Array, spec: QuantSpec, scale: jax.Array | None = N
         return fake_quant(w, **spec.computed_kwargs())
     if zero_point is None:
         zero_point = _fixed_zero_point(spec, scale)
-    return fake_quant(w, scale.astype(jnp.float32), zero_point, **_explicit_kwargs(spec))
+    return fake_quant(w, learned_scale(scale), zero_point, **_explicit_kwargs(spec))
 
 
 def init_qparams(w: jax.Array, spec: QuantSpec) -> tuple[jax.Array, jax.Array | None]:
@@ -113,7 +139,7 @@ def learned_qtensor(w: jax.Array, scale: jax.Array, zero_point: jax.Array | None
     else:
         fmt = resolve(spec.dtype, spec.axis, spec.block_size, spec.scale_dtype).fmt
         zp = jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax).astype(fmt.dtype)
-    return quantize(w, scale, zp, packed=spec.packed, **_explicit_kwargs(spec))
+    return quantize(w, learned_scale(scale), zp, packed=spec.packed, **_explicit_kwargs(spec))
 
 
 def fake_quant_act(x: jax.Array, act: ActSpec, contract: tuple[int, ...] | None) -> jax.Array:
