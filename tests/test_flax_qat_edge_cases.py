@@ -308,3 +308,18 @@ def test_a_learned_scale_taken_below_zero_is_clamped_as_torch_does():
     assert np.all(np.asarray(q["params"]["kernel"].scale) >= eps)
     np.testing.assert_allclose(np.asarray(qm.apply(q, jnp.asarray(x))), np.asarray(y),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_static_unsigned_activation_scale_keeps_the_symmetric_zero_point():
+    """ActSpec is symmetric: a static uint8 scale uses the mid-range zero point 128, as the
+    dynamic scales do (before, negative inputs were clipped to 0)."""
+    torch = pytest.importorskip("torch")
+    x = _normal(2, 4, 6)
+    model = nn.Dense(3)
+    qm = quantize_linen(model, QuantConfig(weight=None, act=jq.flax.ActSpec(dtype=jnp.uint8,
+                                                                             scale=0.02)))
+    v = qm.init(jax.random.key(0), jnp.asarray(x))
+    y = qm.apply(v, jnp.asarray(x))
+    xq = torch.fake_quantize_per_tensor_affine(torch.from_numpy(x), 0.02, 128, 0, 255).numpy()
+    ref = model.apply(v, jnp.asarray(xq))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-6)

@@ -148,8 +148,10 @@ def fake_quant_act(x: jax.Array, act: ActSpec, contract: tuple[int, ...] | None)
     Per token: one scale per index of the dimensions not in ``contract``
     (negative entries count from the end); ``contract=None`` means per tensor.
     """
-    if act.scale is not None:
-        return fake_quant(x, jnp.asarray(act.scale, jnp.float32), dtype=act.dtype)
+    if act.scale is not None:  # symmetric: unsigned codes around their mid-range zero point
+        scale = jnp.asarray(act.scale, jnp.float32)
+        return fake_quant(x, scale, _fixed_zero_point(QuantSpec(dtype=act.dtype), scale),
+                          dtype=act.dtype)
     if act.granularity == "tensor" or contract is None:
         return fake_quant(x, dtype=act.dtype)
     red = sorted({d % x.ndim for d in contract})

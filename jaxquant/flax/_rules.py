@@ -53,7 +53,8 @@ def _static_scale(scale) -> float:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ActSpec:
-    """How a layer's input activations are fake-quantized (symmetric, no zero point).
+    """How a layer's input activations are fake-quantized, symmetrically (unsigned integer
+    codes around their mid-range zero point, 128 for uint8, as `jaxquant.quantize`).
 
     Attributes:
       dtype: the format of the codes (int8, int4, float8..., or a codebook
