@@ -31,6 +31,7 @@ from jaxquant._formats import get_format
 from jaxquant._qtensor import QTensor
 from jaxquant._quantize import check_flags, dequantize, quantize
 from jaxquant._rounding import exponent, pow2
+from jaxquant._schemes import SCHEMES
 
 __all__ = ["gptq"]
 
@@ -49,9 +50,12 @@ def _check(w, hessian, axis, block_size, damp) -> tuple[int | None, int | None]:
     if hessian.shape != (k, k):
         raise ValueError(f"hessian must have shape (in, in) = {(k, k)} for w of shape "
                          f"{w.shape}, got {hessian.shape}.")
+    if isinstance(damp, jax.Array) and damp.ndim == 0 and not isinstance(damp, jax.core.Tracer):
+        damp = damp.item()  # a concrete 0-d array, as NumPy scalars
     if not (isinstance(damp, int | float | np.integer | np.floating)
             and not isinstance(damp, bool) and 0 <= damp < np.inf):
-        raise ValueError(f"damp must be a finite non-negative number, got {damp!r}.")
+        raise ValueError(f"damp must be a finite non-negative number, got {damp!r} (a "
+                         f"static value: a Python or NumPy number, or a concrete 0-d array).")
     if block_size is None:
         if isinstance(axis, bool) or axis not in (-1, 1):
             raise ValueError(f"axis must be -1 or 1 (one scale per output channel) without "
@@ -92,7 +96,7 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
 
     Raises:
       TypeError: ``hessian`` not a real (float or integer) array; ``symmetric`` or
-        ``act_order`` not a bool.
+        ``act_order`` not a bool; an MX or NVFP4 scheme as ``dtype``.
       ValueError: ``w`` not a 2-D float array, ``hessian`` not ``(in, in)``, an axis or
         block size other than the ones above (codebooks need blocks), a negative or
         infinite ``damp``; a damped ``hessian`` that is not positive definite (singular,
@@ -112,6 +116,10 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
     w, hessian = jnp.asarray(w), jnp.asarray(hessian)
     check_flags(symmetric=symmetric, act_order=act_order)
     axis, block_size = _check(w, hessian, axis, block_size, damp)
+    if isinstance(dtype, str) and dtype in SCHEMES and SCHEMES[dtype].scale_dtype is not None:
+        raise TypeError(f"dtype {dtype!r} is a block-scaled scheme, which gptq does not compute "
+                        f"(its scales are not float32 per block); use an element format with "
+                        f"axis=0 and a block_size, e.g. dtype=jnp.int4 or 'nf4'.")
     fmt = get_format(dtype, argname="dtype")
     if fmt.is_codebook and block_size is None:
         raise ValueError(f"dtype {fmt.name} scales blocks of input rows: pass axis=0 and a "

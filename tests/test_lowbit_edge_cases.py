@@ -300,3 +300,14 @@ def test_scaled_matmul_bad_output_dtype_names_the_argument():
     a = jq.quantize(jnp.ones((2, 64)), dtype="mxfp4")
     with pytest.raises(TypeError, match="preferred_element_type must be a float dtype, got 'f"):
         jq.scaled_matmul(a, a, preferred_element_type="foo")
+
+
+def test_gptq_takes_a_concrete_0d_damp_and_names_unsupported_schemes():
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(8, 4)), jnp.float32)
+    h = jnp.eye(8) * 2.0
+    a = jq.gptq(w, h, damp=jnp.float32(0.05))
+    b = jq.gptq(w, h, damp=0.05)
+    np.testing.assert_array_equal(np.asarray(a.qvalue), np.asarray(b.qvalue))
+    for name in ("mxfp4", "nvfp4", "mxint8"):
+        with pytest.raises(TypeError, match=f"{name!r} is a block-scaled scheme"):
+            jq.gptq(w, h, dtype=name, axis=0, block_size=4)
