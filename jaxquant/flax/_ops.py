@@ -66,8 +66,9 @@ def learned_scale(scale: jax.Array) -> jax.Array:
     clamp, so it is the LSQ gradient at the clamped value.
 
     Example:
-      >>> learned_scale(jnp.array([0.5, -0.25]))
-      Array([5.000000e-01, 1.192093e-07], dtype=float32)
+      >>> s = learned_scale(jnp.array([0.5, -0.25]))
+      >>> float(s[0]), bool(s[1] == jnp.finfo(jnp.float32).eps)
+      (0.5, True)
     """
     return jnp.maximum(jnp.asarray(scale, jnp.float32), jnp.float32(SCALE_EPS))
 
