@@ -10,6 +10,7 @@ nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
 from jaxpr_utils import find_eqns  # noqa: E402
+from nnx_training import train_nnx  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
 from jaxquant.flax import (  # noqa: E402
@@ -149,20 +150,6 @@ def test_qat_gradients_are_ste():
                                rtol=1e-6)
 
 
-def _train(model, x, y, steps=25):
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes python floats and int32
-        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt):
-        loss, g = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-        with jax.numpy_dtype_promotion("standard"):
-            opt.update(model, g)
-        return loss
-
-    return [float(step(model, opt)) for _ in range(steps)]
-
-
 def test_train_with_adam_learned_scale_then_quantize():
     x = _x(32, 8)
     y = jnp.cos(x[:, :3] * 2.0)
@@ -172,7 +159,7 @@ def test_train_with_adam_learned_scale_then_quantize():
     model = nnx_qat(MLP(nnx.Rngs(2)), rules)
     s0 = model.head.promote_dtype.scale[...]
     np.testing.assert_array_equal(np.asarray(s0), np.asarray(w4(model.head.kernel[...]).scale))
-    losses = _train(model, x, y)
+    losses = train_nnx(model, x, y)
     assert losses[-1] < 0.5 * losses[0]
     s1 = model.head.promote_dtype.scale[...]
     assert np.abs(np.asarray(s1) - np.asarray(s0)).max() > 1e-4
@@ -193,7 +180,7 @@ def test_learned_zero_point_moves_and_becomes_the_qtensor_zero_point():
     np.testing.assert_array_equal(np.asarray(hook.scale[...]), np.asarray(init.scale))
     z0 = np.asarray(hook.zero_point[...])
     np.testing.assert_array_equal(z0, np.asarray(init.zero_point, np.float32))
-    losses = _train(model, x, y, steps=60)
+    losses = train_nnx(model, x, y, steps=60)
     assert losses[-1] < 0.5 * losses[0]
     z1 = np.asarray(hook.zero_point[...])
     assert np.abs(z1 - z0).max() > 0.05

@@ -12,6 +12,7 @@ nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
+from nnx_training import train_nnx  # noqa: E402
 from reference_tables import NF4  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
@@ -173,17 +174,7 @@ def test_nnx_stacked_layers_train_with_learned_scales_under_nnx_jit():
     assert model.layers.promote_dtype.scale.shape == (3, 6)
     assert model.layers.promote_dtype.zero_point.shape == (3, 6)
     s0 = np.asarray(model.layers.promote_dtype.scale[...])
-    with jax.numpy_dtype_promotion("standard"):  # optax mixes python floats and int32
-        opt = nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
-
-    @nnx.jit
-    def step(model, opt):
-        loss, grads = nnx.value_and_grad(lambda m: jnp.mean((m(x) - y) ** 2))(model)
-        with jax.numpy_dtype_promotion("standard"):
-            opt.update(model, grads)
-        return loss
-
-    losses = [float(step(model, opt)) for _ in range(30)]
+    losses = train_nnx(model, x, y, steps=30)
     assert losses[-1] < 0.7 * losses[0]
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert all(bool(jnp.isfinite(p).all()) for p in params)
