@@ -29,18 +29,10 @@ import jax
 import numpy as np
 
 from jaxquant._decoding import build, placements, sharding_of, verify
+from jaxquant._header import is_jaxquant, plan, read_header, storage
 from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
-from jaxquant._serialization import (
-    HEADER_KEY,
-    ST_CODES,
-    encode,
-    header_metadata,
-    is_jaxquant,
-    plan,
-    read_header,
-    storage,
-)
+from jaxquant._serialization import HEADER_KEY, ST_CODES, encode, header_metadata
 
 __all__ = ["save_safetensors", "load_safetensors", "save_orbax", "load_orbax"]
 

@@ -16,9 +16,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxquant._header import storage
 from jaxquant._packing import PackedArray, unpack_bits, unpack_fields
 from jaxquant._qtensor import QTensor, is_qtensor
-from jaxquant._serialization import block_size_of, crc32, join, storage
+from jaxquant._serialization import block_size_of, crc32, join
 
 __all__ = ["verify", "build", "nest", "placements", "sharding_of"]
 
