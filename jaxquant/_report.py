@@ -5,8 +5,8 @@ quantized version (by ``/``-joined path, as `jaxquant.quantize_tree` names
 them) and returns one frozen `LeafReport` row per leaf. The error statistics
 of each quantized leaf come from a jitted program (dequantization included),
 compiled once per leaf signature, which runs wherever the leaf lives, sharded
-or not; all leaves are dispatched before the few scalars of each come back. `format_report` prints
-the rows as an aligned table with a total.
+or not; all leaves are dispatched before the few scalars of each come back.
+`format_report` prints the rows as an aligned table with a total.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import numpy as np
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
 from jaxquant._schemes import format_name
-from jaxquant._tree import is_record, leaf_nbytes, path_str
+from jaxquant._tree import is_record, leaf_dtype, leaf_nbytes, path_str
 
 __all__ = ["LeafReport", "quantization_report", "format_report"]
 
@@ -82,14 +82,6 @@ def _granularity(qt: QTensor) -> str:
     if qt.block_size:
         return f"axis={qt.axis} block={qt.block_size}"
     return "per-tensor" if qt.axis is None else f"axis={qt.axis}"
-
-
-def _dtype(leaf) -> np.dtype:
-    """The leaf's dtype: a NumPy one, or JAX's own for a PRNG key array (no NumPy dtype)."""
-    if not hasattr(leaf, "dtype"):
-        return np.asarray(leaf).dtype
-    extended = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
-    return leaf.dtype if extended else np.dtype(leaf.dtype)
 
 
 def _scaled_square_sum(v: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -185,9 +177,9 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
             raise TypeError(f"{paths[i]!r}: tree holds a QTensor but qtree does not; pass the "
                             f"float tree first.")
         if is_qtensor(q) and not is_qtensor(ref):
-            if not jnp.issubdtype(_dtype(ref), jnp.floating):
+            if not jnp.issubdtype(leaf_dtype(ref), jnp.floating):
                 raise TypeError(f"{paths[i]!r}: the reference leaf must be a float array, got "
-                                f"dtype {_dtype(ref)}.")
+                                f"dtype {leaf_dtype(ref)}.")
             refs.append(jnp.asarray(ref))
             qts.append(q)
             picked.append(i)
@@ -208,7 +200,7 @@ def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan,
         fmt, gran = format_name(q) + ("(packed)" if q.packed else ""), _granularity(q)
     else:
         fmt, gran = "-", "-"
-    dtype = _dtype(ref)  # the original's (alone, ref is q: a QTensor's float dtype)
+    dtype = leaf_dtype(ref)  # the original's (alone, ref is q: a QTensor's float dtype)
     before = math.prod(q.shape) * dtype.itemsize if alone and is_qtensor(q) else leaf_nbytes(ref)
     return LeafReport(path=path, shape=tuple(int(d) for d in np.shape(q)), format=fmt,
                       granularity=gran, dtype=dtype.name, nbytes_before=before,

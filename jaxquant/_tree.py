@@ -367,10 +367,15 @@ def leaf_nbytes(leaf) -> int:
     array: its key data)."""
     if is_record(leaf):
         return leaf.nbytes
-    dtype = leaf.dtype if hasattr(leaf, "dtype") else np.asarray(leaf).dtype
-    if not jax.dtypes.issubdtype(dtype, jax.dtypes.extended):  # extended: no NumPy dtype
-        dtype = np.dtype(dtype)
-    return math.prod(np.shape(leaf)) * dtype.itemsize
+    return math.prod(np.shape(leaf)) * leaf_dtype(leaf).itemsize
+
+
+def leaf_dtype(leaf):
+    """A leaf's dtype: a NumPy one, or JAX's own for a PRNG key array (no NumPy dtype)."""
+    if not hasattr(leaf, "dtype"):
+        return np.asarray(leaf).dtype
+    extended = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
+    return leaf.dtype if extended else np.dtype(leaf.dtype)
 
 
 def tree_nbytes(tree: Any) -> int:
