@@ -13,15 +13,21 @@ float32 is right.
 This is how `jaxquant._rounding.divide` gets the contract's quotient on GPUs
 (CUDA, ROCm): one converted division per element instead of the ~40 float
 and integer operations of `jaxquant._rounding.correct_quotient`, which made
-XLA:GPU's compilation of a whole-tree quantization about 20x longer. On the
-CPU, in place of its own division, the float64 route compiles the GPT-2 tree
-about as fast and runs as fast (`benchmarks/division_routes.py`); on a GPU it
-has not been timed yet, and GPUs with few float64 units (consumer parts run
-float64 at 1/32 to 1/64 of the float32 rate) may find it slower to run than
-the correction, though not to compile.
+XLA:GPU's compilation of a whole-tree quantization about 20x longer.
+
+Both operands are doubled in float64 before the division (exact, and the
+same quotient): XLA:GPU shrinks ``convert(divide(convert(x), convert(s)))``
+back to a float32 division, which on the GPU is not correctly rounded (on an
+NVIDIA H200, jaxlib 0.11.2: 32% of 4M quotients next to rounding midpoints,
+22% across the exponent range, a unit in the last place off). Doubled, every
+quotient was right, and a jitted 8192 x 8192 division took 0.25 ms against
+0.27 ms for the float32 ``x / s`` and 0.52 ms for the correction
+(`benchmarks/results/quantize_tree_h200.md` has the whole-tree figures). GPUs
+with few float64 units (consumer parts run float64 at 1/32 to 1/64 of the
+float32 rate) may find it slower than the correction, though not to compile.
 
 JAX traces float64 only under ``jax_enable_x64``; the primitive here hides the
-float64 inside its lowering (StableHLO ``convert``, ``divide``, ``convert``),
+float64 inside its lowering (StableHLO ``convert``, ``add``, ``divide``, ``convert``),
 so it works, and stays float32 to JAX, either way. Its result type (shape,
 sharding, the mesh axes it varies over inside ``shard_map``) is that of JAX's
 own ``x / scale``, which is bound as a template operand and left unused by the
@@ -89,7 +95,10 @@ def _impl(*args):  # eager calls: compiled once per shape, like any jax.numpy op
 def _lowering(ctx, template, x, scale):
     (aval,) = ctx.avals_out
     wide = mlir.aval_to_ir_type(ctx.module_context, aval.update(dtype=_F64))
-    quotient = stablehlo.divide(stablehlo.convert(wide, x), stablehlo.convert(wide, scale))
+    x, scale = stablehlo.convert(wide, x), stablehlo.convert(wide, scale)
+    # Both operands doubled (exact in float64), so that no ``convert(divide(convert(x),
+    # convert(s)))`` is left for a compiler to shrink into a float32 division.
+    quotient = stablehlo.divide(stablehlo.add(x, x), stablehlo.add(scale, scale))
     return [stablehlo.convert(mlir.aval_to_ir_type(ctx.module_context, aval), quotient)]
 
 

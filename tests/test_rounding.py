@@ -172,7 +172,8 @@ def test_divide_reads_subnormal_operands_on_cpu():
     quotient that would be subnormal flushes to a zero of its sign."""
     x = np.float32([1e-40, -3e-39, 1e-38, 1e-3, 2.0**-149, 1e-40, -1e-40, 1e-40])
     s = np.float32([2.0**-126, 1e-40, 1e-39, 1e-41, 1e-44, 1e-45, 1.0, -2.0])
-    got = np.asarray(jax.jit(divide)(x, s))
+    cpu = jax.devices("cpu")[0]  # also where the default backend is a GPU
+    got = np.asarray(jax.jit(divide)(jax.device_put(x, cpu), jax.device_put(s, cpu)))
     want = x / s
     normal = np.abs(want) >= np.finfo(np.float32).tiny
     np.testing.assert_array_equal(u32(got[normal]), u32(want[normal]))
