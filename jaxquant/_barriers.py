@@ -1,6 +1,6 @@
 """Optimization barriers that keep XLA:GPU from rewrites that change results.
 
-Two XLA:GPU behaviours (seen with jax/jaxlib 0.11.2 on an NVIDIA H100) would
+Three XLA:GPU behaviours (seen with jax/jaxlib 0.11.2 on an NVIDIA H100 / H200) would
 make a jitted program disagree with the same operations run one by one:
 
 * With its default ``--xla_allow_excess_precision=true`` the simplifier folds
@@ -12,23 +12,34 @@ make a jitted program disagree with the same operations run one by one:
   autotuner's own cross-check reports "WRONG RESULTS" for those configs), and
   wrong float products from ``int4`` codes read straight from memory.
 
+* Its int8 x int8 -> int32 dots whose contracted length is not a multiple of
+  4 returned twice the sums (jaxlib 0.11.2 on an NVIDIA H200, plain
+  ``lax.dot_general`` of int8 arrays: every such length from 2 to 15, and up
+  to 127 for small outputs; multiples of 4 from 4 to 1024 were right), or
+  failed to compile ("No candidates could be compiled"). `int_dot_general`
+  pads such a contraction with zero codes to a multiple of 4 (on every
+  backend), and `int_conv` a convolution's input features per group.
+
 An optimization barrier hides an array's producer from the consumer: the
 narrow codes are written to memory and read back (a small buffer: one or two
 bytes per element). For weight-only dots that means unpacked sub-byte weights
 are widened to int8 in memory on each call there; packed weights (how int4 is
 stored for inference) and int8 or float8 weights keep their fused
-dequantization. XLA:CPU has neither behaviour, so there the arrays pass
+dequantization. XLA:CPU has none of these behaviours, so there the arrays pass
 straight through and fusion is untouched (``jax.lax.platform_dependent``
 picks the branch when the program is lowered).
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["keep_rounding", "gemm_operand"]
+__all__ = ["keep_rounding", "gemm_operand", "int_dot_general", "int_conv"]
 
 _SUB_BYTE = tuple(jnp.dtype(t) for t in (jnp.int4, jnp.uint4, jnp.int2, jnp.uint2))
 
@@ -76,3 +87,82 @@ def gemm_operand(codes: jax.Array) -> jax.Array:
         codes = codes.astype(jnp.int8 if jnp.issubdtype(codes.dtype, jnp.signedinteger)
                              else jnp.uint8)
     return _barrier_off_cpu(codes)
+
+
+def _pad_to_four(a: jax.Array, axis: int) -> jax.Array:
+    return jnp.pad(a, [(0, -a.shape[axis] % 4 if d == axis else 0) for d in range(a.ndim)])
+
+
+def int_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
+                    out_sharding=None) -> jax.Array:
+    """``lax.dot_general`` of integer codes to exact int32 sums, on every backend.
+
+    Both operands pass through `gemm_operand`, and a contraction whose length
+    is not a multiple of 4 is padded with zero codes to one (the last
+    contracting axis of each operand), which adds nothing to the sums. The
+    padding is done on every backend (one program everywhere, tested on CPU);
+    real models' contractions are multiples of 4 and pass untouched.
+
+    Args:
+      lhs: integer codes.
+      rhs: integer codes.
+      dimension_numbers: as ``lax.dot_general``'s.
+      out_sharding: as ``lax.dot_general``'s.
+
+    Returns:
+      The int32 ``lax.dot_general`` of the codes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> a = jnp.full((2, 6), 3, jnp.int8); b = jnp.full((6, 1), -2, jnp.int8)
+      >>> int_dot_general(a, b, (((1,), (0,)), ((), ())))
+      Array([[-36],
+             [-36]], dtype=int32)
+    """
+    (lc, rc), _ = dimension_numbers
+    lhs, rhs = gemm_operand(lhs), gemm_operand(rhs)
+    if lc and math.prod(lhs.shape[d] for d in lc) % 4:
+        lhs, rhs = _pad_to_four(lhs, lc[-1]), _pad_to_four(rhs, rc[-1])
+    return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32,
+                           out_sharding=out_sharding)
+
+
+def int_conv(conv: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array,
+             dimension_numbers: lax.ConvDimensionNumbers, feature_group_count: int
+             ) -> jax.Array:
+    """``conv(lhs, rhs)`` of integer codes to exact int32 sums, on every backend.
+
+    Both operands pass through `gemm_operand`, and input features per group
+    that are not a multiple of 4 are padded with zero codes to one (in
+    ``lhs`` group by group, in ``rhs``'s input-feature axis), on every
+    backend, as `int_dot_general` pads a contraction.
+
+    Args:
+      conv: ``conv(lhs, rhs, preferred_element_type=...)``, a
+        ``lax.conv_general_dilated`` with every other argument bound.
+      lhs: integer codes of the input.
+      rhs: integer codes of the kernel.
+      dimension_numbers: the convolution's, as ``lax.conv_dimension_numbers`` gives.
+      feature_group_count: the convolution's.
+
+    Returns:
+      The int32 convolution of the codes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax import lax
+      >>> x = jnp.ones((1, 3, 2), jnp.int8); w = jnp.full((1, 2, 1), 5, jnp.int8)
+      >>> dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NWC", "WIO", "NWC"))
+      >>> conv = lambda a, b, **kw: lax.conv_general_dilated(a, b, (1,), "VALID",
+      ...                                                    dimension_numbers=dn, **kw)
+      >>> int_conv(conv, x, w, dn, 1)[..., 0]
+      Array([[10, 10, 10]], dtype=int32)
+    """
+    lhs, rhs = gemm_operand(lhs), gemm_operand(rhs)
+    c_axis, i_axis = dimension_numbers.lhs_spec[1], dimension_numbers.rhs_spec[1]
+    if rhs.shape[i_axis] % 4:
+        groups = lhs.shape[:c_axis] + (feature_group_count, -1) + lhs.shape[c_axis + 1:]
+        lhs = _pad_to_four(lhs.reshape(groups), c_axis + 1)
+        lhs = lhs.reshape(lhs.shape[:c_axis] + (-1,) + lhs.shape[c_axis + 2:])
+        rhs = _pad_to_four(rhs, i_axis)
+    return conv(lhs, rhs, preferred_element_type=jnp.int32)

@@ -26,7 +26,7 @@ from jax import lax
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from jaxquant._barriers import gemm_operand
+from jaxquant._barriers import int_dot_general
 from jaxquant._formats import get_format
 from jaxquant._granularity import expand
 from jaxquant._packing import PackedArray, sign_extend, split_groups, unpack_fields
@@ -156,6 +156,14 @@ def _like(v: jax.Array, acc: jax.Array) -> jax.Array:
     want = tuple(t if n == m else None for t, n, m in zip(target, v.shape, acc.shape,
                                                           strict=True))
     return v if want == spec else jax.sharding.reshard(v, P(*want))
+
+
+def _replicated_along(v: jax.Array, axis: int) -> jax.Array:
+    """``v`` resharded with ``axis`` whole on every device (a mesh with explicit axes)."""
+    spec = _explicit_spec(v)
+    if spec is None or spec[axis] is None:
+        return v
+    return jax.sharding.reshard(v, P(*(None if d == axis else a for d, a in enumerate(spec))))
 
 
 def _constrain(y: jax.Array, sharding) -> jax.Array:
@@ -296,10 +304,15 @@ def _int_dot_exact(parts, dims, block, out_sharding):
         batch = tuple(tuple(d + (d > k) for d in bt) + (k,) for bt, k in zip(batch, ks,
                                                                            strict=True))
         contract = tuple((k + 1,) for k in ks)
+        specs = [_explicit_spec(q) for q, _, _ in parts]
+        if None not in specs and specs[0][ks[0]] != specs[1][ks[1]]:
+            # the axes of blocks are batch axes now, which JAX wants sharded alike: an
+            # FSDP weight's blocks (sharded as the activation's rows) are gathered
+            parts = [tuple(None if a is None else _replicated_along(a, k) for a in p)
+                     for p, k in zip(parts, ks, strict=True)]
     nfree = [p[0].ndim - len(c) - len(bt) for p, c, bt in zip(parts, contract, batch,
                                                               strict=True)]
-    acc = lax.dot_general(gemm_operand(parts[0][0]), gemm_operand(parts[1][0]), (contract, batch),
-                          preferred_element_type=jnp.int32,
+    acc = int_dot_general(parts[0][0], parts[1][0], (contract, batch),
                           out_sharding=None if block else out_sharding)
 
     def out(v, i):

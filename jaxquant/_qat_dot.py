@@ -57,7 +57,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._barriers import gemm_operand
+from jaxquant._barriers import int_dot_general
 from jaxquant._dot import _check_dims
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import get_format
@@ -187,10 +187,9 @@ def _int8_grad_lhs(g, w, cfg: _Config):
     gw = g.astype(jnp.float32) * to_output(s_w, rc, rb, 1, len(lhs_free))
     qg, s_g, _ = int_operand(gw, g_rhs_free, ActQuant())
     pieces = contraction_pieces(tuple(codes.shape[d] for d in rhs_free), exact_length(False))
-    acc = sum(lax.dot_general(gemm_operand(slice_axes(qg, g_rhs_free, p)),
-                              gemm_operand(slice_axes(codes, rhs_free, p)),
-                              ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
-                              preferred_element_type=jnp.int32).astype(jnp.float32)
+    acc = sum(int_dot_general(slice_axes(qg, g_rhs_free, p), slice_axes(codes, rhs_free, p),
+                              ((g_rhs_free, rhs_free), (tuple(range(nb)), rb))
+                              ).astype(jnp.float32)
               for p in pieces)  # int32 sums exact in each piece
     s_g = s_g.reshape(s_g.shape[:nb + len(lhs_free)] + (1,) * len(rc))
     dx = acc * s_g  # axes: lhs batch, lhs free, lhs contracting (by rc)

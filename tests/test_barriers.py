@@ -7,16 +7,18 @@ returned doubled products, and weight-only dots of unpacked int4 codes wrong sum
 GPU, so these tests check the programs JAX lowers for one (``lowering_platforms``).
 """
 
+import math
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax import lax
 from jaxpr_utils import lowered_text
 
 import jaxquant as jq
-from jaxquant._barriers import gemm_operand, keep_rounding
+from jaxquant._barriers import gemm_operand, int_conv, int_dot_general, keep_rounding
 from jaxquant._dot import ActQuant, qdot_general
 
 DN = (((1,), (0,)), ((), ()))
@@ -91,3 +93,74 @@ def test_keep_rounding_is_the_identity():
         out = jax.jit(keep_rounding)(c)
         assert out.dtype == c.dtype
         np.testing.assert_array_equal(np.asarray(out).view(np.uint8), np.asarray(c).view(np.uint8))
+
+
+
+def _integer_contractions(text):
+    """The contracted length of every dot_general and the input features per group of every
+    convolution on 8-bit integer operands in StableHLO ``text``."""
+    shape = lambda t: [int(d) for d in t.split("x")[:-1]]  # noqa: E731
+    found = []
+    for m in re.finditer(r"stablehlo\.dot_general [^\n]*contracting_dims = \[([\d, ]*)\] x "
+                         r"\[[\d, ]*\][^\n]*: \(tensor<([\dx]+xu?i8)>", text):
+        found.append(("dot", math.prod(shape(m[2])[int(d)] for d in m[1].split(","))))
+    for m in re.finditer(r"stablehlo\.convolution[^\n]*\]x\[([^\]]*)\][^\n]*: \(tensor<[\dx]+xi8>, "
+                         r"tensor<([\dx]+xi8)>", text):
+        found.append(("conv", shape(m[2])[[d.strip() for d in m[1].split(",")].index("i")]))
+    return found
+
+
+def test_int8_contractions_are_padded_to_a_multiple_of_four():
+    """XLA:GPU's int8 dots over 2..15 (and more) elements not divisible by 4 doubled the sums;
+    the padding is in every backend's program (so CI runs the padded program)."""
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxquant.flax import ActSpec, QuantConfig, nnx_quantize
+
+    x, w = jnp.linspace(-2.0, 2.0, 4 * 6).reshape(4, 6), jnp.linspace(-1.0, 1.0, 6 * 6)
+    w = w.reshape(6, 6)
+    conv = nnx.Conv(6, 6, (3,), feature_group_count=3, rngs=nnx.Rngs(0))
+    nnx_quantize(conv, QuantConfig(act=ActSpec()))
+    programs = {  # name: (function, arguments, the contractions padded from 6 and 2)
+        "w8a8": (lambda x, w: qdot_general(x, jq.quantize(w, axis=1), DN, act_quant=ActQuant()),
+                 (x, w), {("dot", 8)}),
+        "QAT int8 dot, int8 backward": (jax.grad(lambda x, w: jnp.sum(jnp.sin(
+            jq.qat_dot_general(x, w, DN, backward="int8"))), argnums=(0, 1)), (x, w),
+            {("dot", 8)}),
+        "grouped int8 convolution": (lambda x: conv(x), (jnp.ones((2, 9, 6)),), {("conv", 4)}),
+    }
+    for name, (fn, args, padded) in programs.items():
+        for platform in ("cpu", "cuda"):
+            found = set(_integer_contractions(lowered_text(fn, *args, platform=platform)))
+            assert found == padded, (name, platform, found)
+
+
+@pytest.mark.parametrize("dims,shapes", [((((1,), (0,)), ((), ())), ((5, 6), (6, 7))),
+                                         ((((2,), (1,)), ((0,), (0,))), ((3, 4, 6), (3, 6, 5))),
+                                         ((((1, 2), (0, 1)), ((), ())), ((2, 3, 3), (3, 3, 4)))])
+def test_the_padded_int8_dot_gives_the_same_sums(dims, shapes):
+    rng = np.random.default_rng(0)
+    a, b = (jnp.asarray(rng.integers(-128, 128, s), jnp.int8) for s in shapes)
+    want = lax.dot_general(np.asarray(a, np.int64), np.asarray(b, np.int64), dims)
+    got = jax.jit(int_dot_general, static_argnums=2)(a, b, dims)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.parametrize("groups,layout", [(1, ("NWC", "WIO", "NWC")), (3, ("NWC", "WIO", "NWC")),
+                                           (3, ("NCW", "OIW", "NCW"))])
+def test_the_padded_int8_convolution_gives_the_same_sums(groups, layout):
+    rng = np.random.default_rng(1)
+    lhs_shape = (2, 9, 6) if layout[0] == "NWC" else (2, 6, 9)
+    rhs_shape = (3, 6 // groups, 6) if layout[1] == "WIO" else (6, 6 // groups, 3)
+    x, w = (jnp.asarray(rng.integers(-128, 128, s), jnp.int8) for s in (lhs_shape, rhs_shape))
+    dn = lax.conv_dimension_numbers(lhs_shape, rhs_shape, layout)
+
+    def conv(a, b, **kw):
+        return lax.conv_general_dilated(a, b, (2,), "SAME", dimension_numbers=dn,
+                                        feature_group_count=groups, **kw)
+
+    want = conv(jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32),
+                precision=lax.Precision.HIGHEST)  # sums below 2**24: exact in float32
+    got = jax.jit(lambda x, w: int_conv(conv, x, w, dn, groups))(x, w)
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want, np.int64))

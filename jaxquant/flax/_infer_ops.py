@@ -17,6 +17,7 @@ from collections.abc import Callable
 import jax.numpy as jnp
 from jax import lax
 
+from jaxquant._barriers import int_conv
 from jaxquant._dot import ActQuant, qdot_general
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._einsum import qeinsum
@@ -138,10 +139,10 @@ class InferConv(_InferOp):
         with layer_errors(self.where):
             if self.act is None:  # as the float conv of the promoted kernel
                 return conv(lhs, rhs.dequantize().astype(lhs.dtype), **kw)
-            return self._int8_conv(conv, lhs, rhs, dimension_numbers,
+            return self._int8_conv(conv, lhs, rhs, dimension_numbers, feature_group_count,
                                    preferred_element_type or lhs.dtype)
 
-    def _int8_conv(self, conv, lhs, rhs, dimension_numbers, out):
+    def _int8_conv(self, conv, lhs, rhs, dimension_numbers, feature_group_count, out):
         self.act.act_quant()  # int8 only
         dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
         fmt, layout = rhs.format, rhs.layout
@@ -154,8 +155,8 @@ class InferConv(_InferOp):
                 f"{dn.rhs_spec[0]}), got {rhs!r}; use act=None for a weight-only convolution.")
         scale = None if self.act.scale is None else jnp.asarray(self.act.scale, jnp.float32)
         x = quantize(lhs, scale, dtype=jnp.int8)
-        acc = conv(x.qvalue, unpack(rhs).qvalue.astype(jnp.int8),
-                   preferred_element_type=jnp.int32)
+        acc = int_conv(conv, x.qvalue, unpack(rhs).qvalue.astype(jnp.int8), dn,
+                       feature_group_count)
         shape = [1] * acc.ndim
         shape[dn.out_spec[1]] = -1
         sv = scale_values(rhs)
