@@ -30,7 +30,9 @@ def ort_call(op: str, x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray,
         [numpy_helper.from_array(np.asarray(scale, np.float32), "scale"),
          numpy_helper.from_array(np.asarray(zero_point, np.int8), "zero_point")],
     )
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    # IR version 10, the first with opset 21: onnx writes its own newest by default, which
+    # an older ONNX Runtime refuses (ONNX Runtime 1.30 with onnx 1.23.1 did).
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     onnx.checker.check_model(model)
     options = ort.SessionOptions()
     options.intra_op_num_threads = THREADS

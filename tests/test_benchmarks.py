@@ -17,6 +17,9 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -61,7 +64,10 @@ def test_quantize_tree(tmp_path):
     assert report["parameters"] == 124_439_808  # GPT-2 small
     assert report["bytes_before"] == 4 * report["parameters"]
     assert 0.25 < report["memory_ratio"] < 0.2515  # int8 codes + a float32 scale per column
-    assert report["codes_differing_from_same_maths"] == 0
+    if jax.default_backend() == "cpu":
+        assert report["codes_differing_from_same_maths"] == 0
+    else:  # XLA:GPU's float32 x / s is not correctly rounded: 94 of 124M codes on an H200
+        assert report["codes_differing_from_same_maths"] < report["parameters"] // 100_000
     names = [c["name"] for c in report["cases"]]
     assert names[0] == "jaxquant quantize_tree"
     assert report["cases"][0]["compile_s"] > 0
@@ -104,6 +110,8 @@ def test_qat_mlp(tmp_path):
             assert case["grad_rel_diff_vs_fake_quant"] < 0.01, name
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="streams on XLA:CPU only, as tests/test_weight_streaming.py")
 def test_weight_streaming_bounds_temporary_memory(tmp_path):
     report = run_benchmark("weight_streaming", "--rounds", "1", "--calls", "1", out=tmp_path)
     rows = [r for r in report["rows"] if r["width"] == 4096 and r["rows"] == 1]
