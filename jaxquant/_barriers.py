@@ -5,7 +5,9 @@ make a jitted program disagree with the same operations run one by one:
 
 * With its default ``--xla_allow_excess_precision=true`` the simplifier folds
   ``convert(convert(x, float4_e2m1fn), float32)`` into ``x`` (float8 alike):
-  the rounding to the narrow format vanishes from a fake quantization.
+  the rounding to the narrow format vanishes from a fake quantization. The
+  same happens to a bfloat16 fake-quantized kernel that a layer promotes to
+  float32 (H200), so `jaxquant.fake_quant` keeps bfloat16/float16 values too.
 * Its Triton GEMM fusions, which pull the producers of a dot's operands into
   the matrix-multiply kernel, returned wrong int8 x int8 -> int32 products
   when the int8 codes were computed from floats in the same fusion (the

@@ -51,6 +51,7 @@ import ml_dtypes
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import code_values
 from jaxquant._formats import Format
 from jaxquant._granularity import (
@@ -242,7 +243,10 @@ def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
 def _fake_quant(x, scale, zero_point, noise, config: _Config):
     _, q, zp, _ = _codes(x, scale, zero_point, noise, config)
     s, f = (expand(v, x.shape, config.layout) for v in scale_factors(scale))  # as `dequantize`
-    return (((q if zp is None else q - zp) * s) * f).astype(x.dtype)
+    out = (((q if zp is None else q - zp) * s) * f).astype(x.dtype)
+    # XLA:GPU would fold a bfloat16/float16 value cast back to float32 (a layer's promotion)
+    # into the unrounded float32 one: the QAT model would not be the quantized model
+    return keep_rounding(out) if x.dtype.itemsize < 4 else out
 
 
 def _fake_quant_fwd(x, scale, zero_point, noise, config):

@@ -48,6 +48,18 @@ def test_integer_fake_quant_has_no_barrier(name):
                                        platform="cuda")) == []
 
 
+@pytest.mark.parametrize("dtype,types", [(jnp.bfloat16, ["bf16"]), (jnp.float16, ["f16"])])
+def test_narrow_float_fake_quant_values_sit_behind_a_barrier_off_cpu(dtype, types):
+    """A QAT layer promotes its bfloat16 fake-quantized kernel to float32: XLA:GPU folded the
+    rounding to bfloat16 away (the QAT model then differed from the quantized one by ~1e-3)."""
+    x = jnp.linspace(-5.0, 5.0, 256, dtype=dtype).reshape(4, 64)
+    fq = lambda x: jq.fake_quant(x, dtype="int8").astype(jnp.float32)  # noqa: E731
+    assert _barrier_types(lowered_text(fq, x, platform="cuda")) == types
+    assert _barrier_types(lowered_text(fq, x, platform="cpu")) == []
+    np.testing.assert_array_equal(np.asarray(jax.jit(fq)(x)),
+                                  np.asarray(jq.fake_quant(x, dtype="int8"), np.float32))
+
+
 def test_int8_dot_operands_sit_behind_barriers_off_cpu():
     x = jax.random.normal(jax.random.key(0), (16, 8))
     w = jq.quantize(jax.random.normal(jax.random.key(1), (8, 16)), axis=1)
