@@ -331,8 +331,8 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
         for path, entry, t in items:
             for key, child in placements(path, entry, t).items():
                 stored_as_is = specs[key]["encoding"] == "raw" or isinstance(child, PackedArray)
-                if stored_as_is and sharding_of(child) is not None:
-                    hints[key] = sharding_of(child)
+                if stored_as_is and sharding_of(child, where, key) is not None:
+                    hints[key] = sharding_of(child, where, key)
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
         abstract = {key: _restore_target(spec, hints.get(key, device))
                     for key, spec in specs.items() if math.prod(storage(spec)[1])}

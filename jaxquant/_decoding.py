@@ -84,7 +84,7 @@ def build(where: str, header: dict, items: list, treedef, get) -> Any:
     """The tree from a checked plan; ``get(name)`` returns a verified stored tensor."""
     specs, out = header["tensors"], []
     for path, entry, t in items:
-        where_to = {k: sharding_of(v) for k, v in placements(path, entry, t).items()}
+        where_to = {k: sharding_of(v, where, k) for k, v in placements(path, entry, t).items()}
 
         def load(name, keep_packed=False, path=path, where_to=where_to):
             key = path if name is None else join(path, name)
@@ -153,6 +153,31 @@ def placements(path: str, entry: dict, t) -> dict[str, Any]:
     return out
 
 
-def sharding_of(t):
-    """The sharding a target array asks for (``None``: the default device)."""
-    return getattr(t.data if isinstance(t, PackedArray) else t, "sharding", None)
+def sharding_of(t, where: str = "", key: str = ""):
+    """The sharding a target array asks for (``None``: the default device).
+
+    A ``NamedSharding`` on an ``AbstractMesh`` (what ``jax.eval_shape`` gives on
+    explicit mesh axes) is put on the concrete mesh that ``jax.set_mesh`` set.
+
+    Args:
+      t: a target leaf: an array, `jax.ShapeDtypeStruct` or `PackedArray`.
+      where: the file, for the message.
+      key: the stored tensor, for the message.
+
+    Returns:
+      A sharding with devices, or ``None``.
+
+    Raises:
+      ValueError: an abstract mesh without a concrete mesh of its shape and axes set.
+    """
+    sharding = getattr(t.data if isinstance(t, PackedArray) else t, "sharding", None)
+    mesh = getattr(sharding, "mesh", None)
+    if not isinstance(mesh, jax.sharding.AbstractMesh):
+        return sharding
+    concrete = jax.sharding.get_mesh()
+    if concrete.empty or concrete.abstract_mesh != mesh:
+        raise ValueError(f"{where}: {key!r}: the target's sharding is on an abstract mesh "
+                         f"{mesh} (no devices; jax.eval_shape gives those on explicit mesh "
+                         f"axes): load under `with jax.set_mesh(mesh):` with a concrete mesh "
+                         f"of that shape and axes, got {concrete}.")
+    return sharding.update(mesh=concrete)

@@ -242,6 +242,28 @@ def explicit_sharding(x):
     return sharding if spec and any(p is not None for p in spec) else None
 
 
+def _on_groups_of(g, x: jax.Array, layout: Layout):
+    """Scale-shaped ``g`` resharded as the groups of an explicitly sharded ``x`` lie (a
+    channel's entry with its channel, a block's with its block), where ``g`` is itself
+    explicitly sharded otherwise: JAX's selects reject operands sharded unlike."""
+    sharding, have = explicit_sharding(x), explicit_sharding(g) if g is not None else None
+    if sharding is None or have is None or layout.kind == "tensor":
+        return g
+    spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
+    sizes = dict(sharding.mesh.shape)
+    if layout.kind == "axis":
+        want = (spec[layout.axis],)
+    else:  # whole blocks (tiles) per shard, else that axis of g whole on every device
+        ways = [math.prod(sizes[a] for a in (n if isinstance(n, tuple) else (n,)))
+                if n is not None else 1 for n in spec]
+        want = tuple(n if c % w == 0 else None for n, c, w in zip(spec, g.shape, ways,
+                                                                   strict=True))
+    current = tuple(have.spec) + (None,) * (g.ndim - len(have.spec))
+    if current == want:
+        return g
+    return jax.sharding.reshard(g, have.update(spec=jax.sharding.PartitionSpec(*want)))
+
+
 def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array:
     """``x`` viewed as ``(n0, b0, n1, b1, ...)``, padding partial tiles at the edges.
 
@@ -309,6 +331,7 @@ def apply_grouped(
     Returns:
       ``fn``'s result, of ``x``'s shape.
     """
+    groupwise = tuple(_on_groups_of(g, x, layout) for g in groupwise)
     if layout.kind == "tile":
         views = (None if g is None else g.reshape(_interleave(g.shape, (1,) * g.ndim))
                  for g in groupwise)

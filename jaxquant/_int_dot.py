@@ -146,7 +146,7 @@ def _explicit_spec(v) -> tuple | None:
     return spec + (None,) * (v.ndim - len(spec))
 
 
-def _like(v: jax.Array, acc: jax.Array) -> jax.Array:
+def reshard_like(v: jax.Array, acc: jax.Array) -> jax.Array:
     """``v`` (broadcastable to ``acc``) resharded as ``acc`` on a mesh with explicit axes:
     a scale's axis may be sharded where ``acc``'s is not (blocks of the weight sharded on
     the mesh axis of the activation's rows), and JAX rejects their product."""
@@ -156,6 +156,13 @@ def _like(v: jax.Array, acc: jax.Array) -> jax.Array:
     want = tuple(t if n == m else None for t, n, m in zip(target, v.shape, acc.shape,
                                                           strict=True))
     return v if want == spec else jax.sharding.reshard(v, P(*want))
+
+
+def spec_of_axes(v: jax.Array, axes) -> P | None:
+    """The partition spec of ``v``'s ``axes`` in that order (a result laid out as them) on
+    a mesh with explicit axes, else ``None``."""
+    spec = _explicit_spec(v)
+    return None if spec is None else P(*(spec[d] for d in axes))
 
 
 def _replicated_along(v: jax.Array, axis: int) -> jax.Array:
@@ -316,7 +323,7 @@ def _int_dot_exact(parts, dims, block, out_sharding):
                           out_sharding=None if block else out_sharding)
 
     def out(v, i):
-        return _like(to_output(v, contract[i], batch[i], i, nfree[1 - i]), acc)
+        return reshard_like(to_output(v, contract[i], batch[i], i, nfree[1 - i]), acc)
 
     for i in (0, 1):
         if parts[i][2] is not None:  # sum_k a_k (w_k - z) = a.w - z sum_k a_k

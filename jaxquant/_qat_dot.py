@@ -26,8 +26,8 @@ two branches are the same: a conditional's operands are materialized, so the
 backward reads the int8 codes, and each quantization stays one loop over the
 floats (left alone, XLA:CPU rebuilds the dequantized values from the float
 quotients ``x / s``, which it then writes out in full: one pass and 4x the
-bytes more per operand). Under ``vmap`` over the weight the predicate is
-batched and both branches run (same values, twice the backward work).
+bytes more per operand). Under ``vmap`` over the weight the predicate stays
+one scalar (`jaxquant._weight_only.moot_predicate`).
 
 ``backward="int8"`` (SwitchBack, Wortsman et al., 2023, arXiv:2304.13013) also
 runs the gradient wrt ``lhs`` as an int8 dot: ``g . w_fq^T = (g * s_w) . codes^T``
@@ -68,7 +68,9 @@ from jaxquant._int_dot import (
     exact_length,
     int_dot_parts,
     int_operand,
+    reshard_like,
     slice_axes,
+    spec_of_axes,
     to_output,
 )
 from jaxquant._qtensor import is_qtensor
@@ -76,6 +78,7 @@ from jaxquant._quantize import quantize
 from jaxquant._rounding import divide, round_to_codes
 from jaxquant._scales import scale_from_range
 from jaxquant._tree import QuantSpec
+from jaxquant._weight_only import moot_predicate
 
 __all__ = ["QATDotGeneral", "qat_dot_general"]
 
@@ -153,7 +156,7 @@ def _qat_dot_bwd(cfg: _Config, residuals, g):
         # the transposes of the float dot, without its (dead) forward evaluation
         (dw,) = jax.linear_transpose(lambda b: _float_dot(cfg, x, b), fq_w)(g)
         if cfg.backward == "int8":
-            return _int8_grad_lhs(g, w, cfg), dw
+            return _int8_grad_lhs(g, w, cfg, x), dw
         (dx,) = jax.linear_transpose(lambda a: _float_dot(cfg, a, fq_w), x)(g)
         return dx, dw
 
@@ -162,21 +165,20 @@ def _qat_dot_bwd(cfg: _Config, residuals, g):
         # Without it XLA:CPU recomputes the dequantized values from the float quotients
         # x / s of the forward pass, which it then keeps in memory in full (a quotient
         # pass more, and 4x the bytes of the codes). The branches are the same.
-        # a scalar on any sharding (slicing a sharded scale is rejected), or size
-        s = jnp.max(w[1], initial=0.0)
-        return lax.cond(s == s, grads, grads, x, w, g)
+        return lax.cond(moot_predicate(w[1]), grads, grads, x, w, g)
 
     return lax.platform_dependent(x, w, g, cpu=cpu, default=grads)
 
 
-def _int8_grad_lhs(g, w, cfg: _Config):
+def _int8_grad_lhs(g, w, cfg: _Config, lhs):
     """``d lhs = g . fq(w)^T`` as int8 x int8 -> int32: ``g * s_w`` quantized per row.
 
     ``fq(w) = codes * s_w`` with ``s_w`` constant along the forward contraction, so
     ``s_w`` moves onto ``g`` (its axes are ``g``'s contracted ones here); the product
     is quantized to int8 per row (one scale per index of the batch and lhs free
     dimensions) and multiplied with the weight's codes (SwitchBack, Wortsman et
-    al., 2023, arXiv:2304.13013).
+    al., 2023, arXiv:2304.13013). The sums are laid out as ``lhs`` (an array of its
+    shape and sharding) on a mesh with explicit axes.
     """
     (lc, rc), (lb, rb) = cfg.dims
     codes, s_w = w
@@ -184,16 +186,16 @@ def _int8_grad_lhs(g, w, cfg: _Config):
     rhs_free = tuple(d for d in range(codes.ndim) if d not in rc and d not in rb)
     lhs_free = [d for d in range(g.ndim - len(rhs_free) + len(lc)) if d not in lc + lb]
     g_rhs_free = tuple(range(nb + len(lhs_free), g.ndim))
+    src = list(lb) + lhs_free + [lc[i] for i in np.argsort(rc)]  # lhs's axes of the sums
     gw = g.astype(jnp.float32) * to_output(s_w, rc, rb, 1, len(lhs_free))
     qg, s_g, _ = int_operand(gw, g_rhs_free, ActQuant())
     pieces = contraction_pieces(tuple(codes.shape[d] for d in rhs_free), exact_length(False))
     acc = sum(int_dot_general(slice_axes(qg, g_rhs_free, p), slice_axes(codes, rhs_free, p),
-                              ((g_rhs_free, rhs_free), (tuple(range(nb)), rb))
-                              ).astype(jnp.float32)
+                              ((g_rhs_free, rhs_free), (tuple(range(nb)), rb)),
+                              out_sharding=spec_of_axes(lhs, src)).astype(jnp.float32)
               for p in pieces)  # int32 sums exact in each piece
     s_g = s_g.reshape(s_g.shape[:nb + len(lhs_free)] + (1,) * len(rc))
-    dx = acc * s_g  # axes: lhs batch, lhs free, lhs contracting (by rc)
-    src = list(lb) + lhs_free + [lc[i] for i in np.argsort(rc)]
+    dx = acc * reshard_like(s_g, acc)  # axes: lhs batch, lhs free, lhs contracting (by rc)
     return jnp.transpose(dx, tuple(np.argsort(src))).astype(cfg.dtype)
 
 

@@ -17,9 +17,10 @@ and ignores ``optimization_barrier``. On CPU each weight-only dot therefore
 runs inside a ``lax.cond`` whose two branches are the same: the dequantization
 waits for the activation, one layer's float weight is live at a time (4 MiB)
 and it is still in cache when the dot reads it (0.85-0.95x the float model's
-time instead of 1.2-1.5x). Other backends get the plain dot. (Under ``vmap``
-over the weights themselves the predicate is batched and both branches run;
-``lax.scan`` over stacked layers keeps one.)
+time instead of 1.2-1.5x). Other backends get the plain dot. The predicate
+(`moot_predicate`) stays one scalar under ``vmap`` over stacked weights: a
+batched one would turn the conditional into a ``select`` running both branches
+(which JAX also rejects on meshes with explicit axes).
 
 On CPU a large weight is also streamed when the other operand has few rows
 (16 to 256 free elements: the dot is bound by reading the weight, not by
@@ -43,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_batching import custom_vmap
 
 from jaxquant._barriers import gemm_operand
 from jaxquant._granularity import Layout, apply_grouped
@@ -50,7 +52,7 @@ from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
 
-__all__ = ["weight_only_dot"]
+__all__ = ["weight_only_dot", "moot_predicate"]
 
 _is_q = is_qtensor
 
@@ -59,6 +61,32 @@ STREAM_MAX_ROWS = 256  # streams only for at most this many rows of the other op
 STREAM_MIN_ROWS = 16  # and at least this many unless the float weight exceeds
 STREAM_LARGE_BYTES = 16 * 2**20  # this many bytes
 STREAM_UNROLL = 8  # chunks up to this many are unrolled, more run in a loop
+
+
+@custom_vmap
+def _scale_is_number(s: jax.Array) -> jax.Array:
+    m = jnp.max(s.astype(jnp.float32), initial=0.0)  # a scalar on any sharding (or size)
+    return m == m
+
+
+@_scale_is_number.def_vmap
+def _scale_is_number_vmap(axis_size, in_batched, s):
+    del axis_size, in_batched
+    return _scale_is_number(s), False  # one scalar for the whole batch
+
+
+def moot_predicate(scale: jax.Array) -> jax.Array:
+    """The predicate of a ``lax.cond`` whose two branches are the same (see the module
+    docstring): a data-dependent scalar bool, so that XLA cannot fold the conditional
+    away, and one that ``vmap`` leaves unbatched.
+
+    Args:
+      scale: a float array of any shape and sharding (gradients do not flow into it).
+
+    Returns:
+      A scalar bool: whether ``scale`` is free of NaN (the value does not matter).
+    """
+    return _scale_is_number(lax.stop_gradient(scale))
 
 
 def stream_rows(qt, contract: tuple, batch: tuple, other_rows: int) -> int | None:
@@ -220,8 +248,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         s = qt.scale
         while _is_q(s):  # a two-level scale: its float32 tensor scale
             s = s.scale
-        s = jnp.max(s.astype(jnp.float32), initial=0.0)  # a scalar on any sharding (or size)
-        return lax.cond(s == s, fn, fn, *args)  # same branches: the predicate is moot
+        return lax.cond(moot_predicate(s), fn, fn, *args)  # same branches
 
     def streamed(lhs, rhs, i: int, rows: int):  # see the module docstring
         c = contract[1 - i][contract[i].index(0)]

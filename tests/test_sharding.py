@@ -293,3 +293,102 @@ def test_quantized_flax_kernels_keep_partition_specs():
         q = qm.quantize_params(qm.init(jax.random.key(0), x), x)
     assert jax.tree.leaves(nn.get_partition_spec(q)) == [P(), P(None, "model"), P(None, "model")]
     np.testing.assert_allclose(qm.apply(q, x), qm.apply(nn.meta.unbox(q), x))
+
+
+def test_weight_only_dot_vmapped_over_stacked_sharded_layers(mesh):
+    # regression: the CPU scheduling lax.cond, its predicate batched by vmap over the
+    # weights, became a select whose broadcast predicate JAX left unsharded (rejected)
+    spec = jq.QuantSpec(dtype=jnp.int4, packed=True)
+    x, w = _x(16, 64, seed=1), _x(4, 64, 128, seed=2)
+    dot = jax.jit(jax.vmap(lambda x, w: jq.qdot_general(x, w, _dense_dims()), (None, 0)))
+    want = dot(x, jax.vmap(spec)(w))
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    ws = jax.jit(jax.vmap(spec))(jax.device_put(w, NamedSharding(mesh, P(None, None, "model"))))
+    with jax.set_mesh(mesh):
+        got = dot(xs, ws)
+    assert _spec(got) == P(None, "data", "model")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("act", [jq.ActQuant(), None], ids=["w8a8", "w8"])
+def test_qat_dot_gradient_vmapped_over_stacked_sharded_layers(mesh, act):
+    x, w = _x(16, 64, seed=1), _x(4, 64, 128, seed=2)
+    loss = lambda x, w: jnp.sum(jnp.sin(jq.qat_dot_general(x, w, _dense_dims(), act=act)))
+    grad = jax.jit(jax.vmap(jax.grad(loss, argnums=1), (None, 0)))
+    want = grad(x, w)
+    xs = jax.device_put(x, NamedSharding(mesh, P("data", None)))
+    ws = jax.device_put(w, NamedSharding(mesh, P(None, None, "model")))
+    with jax.set_mesh(mesh):
+        got = grad(xs, ws)
+    assert _spec(got) == P(None, None, "model")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("x_spec,w_spec", [(P("data"), P(None, "model")),
+                                           (P(("data", "model")), P(("data", "model")))],
+                         ids=["tp", "fsdp"])
+@pytest.mark.parametrize("granularity", ["token", "tensor"])
+def test_int8_backward_with_sharded_output_channels(mesh, x_spec, w_spec, granularity):
+    # regression: backward="int8" contracted the gradient with the weight's codes over
+    # their sharded output axis without an out_sharding (rejected on explicit axes)
+    x, w = _x(16, 64, seed=1), _x(64, 128, seed=2)
+    f = lambda x, w: jq.qat_dot_general(x, w, _dense_dims(), backward="int8",
+                                        act=jq.ActQuant(granularity=granularity))
+    grad = jax.jit(jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1)))
+    want = grad(x, w)
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    ws = jax.device_put(w, NamedSharding(mesh, w_spec))
+    with jax.set_mesh(mesh):
+        got = grad(xs, ws)
+    assert _spec(got[0]) == x_spec and _spec(got[1]) == w_spec
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-4)
+
+
+def test_safetensors_loads_onto_eval_shape_target_of_explicit_mesh(mesh, tmp_path):
+    # jax.eval_shape on explicit mesh axes gives NamedShardings on an AbstractMesh:
+    # load_safetensors put them on the concrete mesh of jax.set_mesh (it passed them to
+    # jax.device_put, which failed with "is_fully_addressable is not implemented")
+    pytest.importorskip("safetensors")
+    rules = [("w", jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=16, packed=True)),
+             ("e", jq.QuantSpec(dtype=jnp.uint4, symmetric=False, axis=0))]
+    tree = {"w": jax.device_put(_x(64, 128), NamedSharding(mesh, P("data", "model"))),
+            "e": jax.device_put(_x(32, 64, seed=7), NamedSharding(mesh, P("model", None)))}
+    q = jax.jit(lambda t: jq.quantize_tree(t, rules))(tree)
+    jq.save_safetensors(tmp_path / "m.safetensors", q)
+    target = jax.eval_shape(lambda t: jq.quantize_tree(t, rules), tree)
+    assert isinstance(target["w"].scale.sharding.mesh, jax.sharding.AbstractMesh)
+    with pytest.raises(ValueError, match=r"'e/qvalue': the target's sharding is on an abstract "
+                                         r"mesh .*jax.set_mesh.*got Mesh\(\)"):
+        jq.load_safetensors(tmp_path / "m.safetensors", target)
+    with jax.set_mesh(mesh):
+        back = jq.load_safetensors(tmp_path / "m.safetensors", target)
+    for a, b in zip(jax.tree.leaves(q), jax.tree.leaves(back), strict=True):
+        assert b.sharding == a.sharding
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    assert _spec(back["e"].qvalue) == P("model") and _spec(back["e"].scale) == P("model")
+    other = host_mesh((4, 2), ("data", "model"), jax.sharding.AxisType.Explicit)
+    with jax.set_mesh(other), pytest.raises(ValueError, match=r"abstract mesh"):
+        jq.load_safetensors(tmp_path / "m.safetensors", target)
+
+
+@pytest.mark.parametrize("x_spec,scale_spec,block_size", [
+    (P("data", None), P("model"), None),  # the codes' channels are not split: select mismatch
+    (P("data", "model"), P("data"), None),  # the scale on another mesh axis than its channel
+    (P("data", "model"), P("model", "data"), 8),  # blocks of the scale transposed on the mesh
+], ids=["channel-split-elsewhere", "channel-other-axis", "blocks-transposed"])
+def test_given_scale_sharded_unlike_x_on_explicit_mesh(mesh, x_spec, scale_spec, block_size):
+    # regression: the elementwise selects of the quotient rejected a given scale sharded
+    # unlike the channels (or blocks) of x; it is resharded to x's groups
+    x = _x(64, 128)
+    scale = np.abs(_x(*((8, 128) if block_size else (128,)), seed=5)) + 0.1
+    axis = 0 if block_size else 1
+    want = jq.quantize(x, scale, axis=axis, block_size=block_size)
+    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
+    ss = jax.device_put(scale, NamedSharding(mesh, scale_spec))
+    q = jax.jit(lambda x, s: jq.quantize(x, s, axis=axis, block_size=block_size))(xs, ss)
+    assert _spec(q.qvalue) == _spec(xs)
+    np.testing.assert_array_equal(np.asarray(q.qvalue), np.asarray(want.qvalue))
+    back = jax.jit(jq.dequantize)(q)
+    assert _spec(back) == _spec(xs)
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(want.dequantize()))
