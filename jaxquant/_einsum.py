@@ -26,7 +26,9 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
 
     Args:
       subscripts: ``"ab,bc->ac"``; without ``->`` the output is the letters
-        that occur once, sorted (as NumPy). No ellipsis or repeated letters.
+        that occur once, sorted (as NumPy). Whitespace is ignored. No ellipsis,
+        no letter repeated within an operand, no letter of one operand summed
+        out, no broadcasting of size-1 dimensions.
       lhs: a float array or a `QTensor`.
       rhs: a float array or a `QTensor`.
       precision: see `qdot_general`.
@@ -38,8 +40,10 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
 
     Raises:
       TypeError: ``subscripts`` not a string.
-      ValueError: subscripts outside this two-operand form, not matching the ranks, or
-        a letter with different sizes in ``lhs`` and ``rhs``.
+      ValueError: subscripts outside this two-operand form (named: the letter of
+        one operand missing from the output, the output letter in neither
+        operand), not matching the ranks, or a letter with different sizes in
+        ``lhs`` and ``rhs``.
 
     Example:
       >>> import jaxquant as jq
@@ -50,7 +54,8 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
     if not isinstance(subscripts, str):
         raise TypeError(f"subscripts must be a str like 'ab,bc->ac', got "
                         f"{type(subscripts).__name__}.")
-    m = re.fullmatch(r"\s*([a-zA-Z]*)\s*,\s*([a-zA-Z]*)\s*(?:->\s*([a-zA-Z]*)\s*)?", subscripts)
+    # whitespace is ignored anywhere, as by jnp.einsum
+    m = re.fullmatch(r"([a-zA-Z]*),([a-zA-Z]*)(?:->([a-zA-Z]*))?", "".join(subscripts.split()))
     if m is None:
         raise ValueError(f"subscripts must look like 'ab,bc->ac' (two operands, letters only, "
                          f"no ellipsis), got {subscripts!r}.")
@@ -64,9 +69,16 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
         if ndim is not None and len(s) != ndim:
             raise ValueError(f"{name} subscripts {s!r} name {len(s)} axes, but {name} has rank "
                              f"{ndim}.")
-    if (set(a) ^ set(b)) - set(out) or set(out) - set(a + b):
-        raise ValueError(f"in {subscripts!r}, every letter of only one operand must be in the "
-                         f"output and every output letter in an operand.")
+    for name, s, other in (("lhs", a, b), ("rhs", b, a)):
+        summed = [c for c in s if c not in other and c not in out]
+        if summed:
+            raise ValueError(f"in {subscripts!r}, {summed[0]!r} occurs in {name} only and is "
+                             f"not in the output; a letter of one operand must be in the "
+                             f"output (summing it out is not supported).")
+    unknown = [c for c in out if c not in a + b]
+    if unknown:
+        raise ValueError(f"in {subscripts!r}, output letter {unknown[0]!r} occurs in neither "
+                         f"operand.")
     shapes = [op.shape if _is_q(op) else jnp.shape(op) for op in (lhs, rhs)]
     for i, c in enumerate(a):
         if c in b and shapes[0][i] != shapes[1][b.index(c)]:

@@ -30,6 +30,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxquant._qtensor import is_qtensor
+
 __all__ = ["hadamard_transform"]
 
 
@@ -79,7 +81,7 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
       ``lax.Precision.HIGHEST`` and accumulate in at least float32.
 
     Raises:
-      TypeError: ``x`` is not a float array.
+      TypeError: ``x`` is not a float array (a `QTensor` included).
       ValueError: ``axis`` out of range, or ``block_size`` not a power of two
         dividing the axis length.
 
@@ -92,6 +94,9 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
       >>> bool(jnp.allclose(jq.hadamard_transform(x) @ jq.hadamard_transform(w, 0), x @ w))
       True
     """
+    if is_qtensor(x):
+        raise TypeError("x must be a float array, got a jaxquant.QTensor; rotate the float "
+                        "weights, then quantize them (or dequantize it first).")
     x = jnp.asarray(x)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be a float array, got dtype {x.dtype}.")

@@ -76,3 +76,22 @@ def test_size_mismatch_names_the_letter():
         jq.qeinsum("bk,kn->bn", x, qt)
     with pytest.raises(ValueError, match=re.escape("'j' has size 2 in lhs but 4 in rhs")):
         jq.qeinsum("jk,jn->jkn", x, qt)
+
+
+@pytest.mark.parametrize("subscripts", ["b k,kn->bn", "bk,kn->b n", " b k , k n -> n b ", "bk,\tkn"])
+def test_spaces_anywhere_as_numpy(subscripts):
+    x = np.random.default_rng(0).standard_normal((2, 3)).astype(np.float32)
+    qt = jq.quantize(jnp.arange(12.0).reshape(3, 4), axis=1)
+    expected = np.einsum(subscripts.replace("\t", ""), x, np.asarray(qt.dequantize()))
+    np.testing.assert_allclose(jq.qeinsum(subscripts, x, qt), expected, rtol=1e-6)
+
+
+@pytest.mark.parametrize("subscripts,match", [
+    ("bk,kn->b", "'n' occurs in rhs only and is not in the output"),
+    ("bk,kn->n", "'b' occurs in lhs only and is not in the output"),
+    ("bk,kn->bnz", "output letter 'z' occurs in neither operand"),
+])
+def test_unsupported_letters_are_named(subscripts, match):
+    x, qt = np.ones((2, 3), np.float32), jq.quantize(jnp.ones((3, 4)))
+    with pytest.raises(ValueError, match=re.escape(match)):
+        jq.qeinsum(subscripts, x, qt)

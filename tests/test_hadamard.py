@@ -101,3 +101,8 @@ def test_argument_errors(kwargs, error, match):
     kwargs = {"x": jnp.ones((2, 16)), **kwargs}
     with pytest.raises(error, match=match):
         jq.hadamard_transform(**kwargs)
+
+
+def test_a_qtensor_is_refused_by_name():
+    with pytest.raises(TypeError, match="x must be a float array, got a jaxquant.QTensor"):
+        jq.hadamard_transform(jq.quantize(jnp.ones((2, 16))))
