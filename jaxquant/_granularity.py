@@ -315,8 +315,10 @@ def apply_grouped(
     x: jax.Array,
     layout: Layout,
     *groupwise: jax.Array | None,
+    elementwise: tuple[jax.Array | None, ...] = (),
 ) -> jax.Array:
-    """``fn(x, *groupwise)`` elementwise, each scale-shaped argument lined up with ``x``.
+    """``fn(x, *elementwise, *groupwise)`` elementwise, each scale-shaped argument lined up
+    with ``x``.
 
     For blocked layouts ``fn`` runs on the ``(..., n_blocks, block_size, ...)``
     view with the scales broadcast along the block: on XLA:CPU this is about
@@ -327,6 +329,7 @@ def apply_grouped(
       x: the array.
       layout: its granularity.
       *groupwise: scale-shaped arrays (or ``None``, passed through).
+      elementwise: arrays of ``x``'s shape (or ``None``), viewed as ``x`` is.
 
     Returns:
       ``fn``'s result, of ``x``'s shape.
@@ -335,13 +338,16 @@ def apply_grouped(
     if layout.kind == "tile":
         views = (None if g is None else g.reshape(_interleave(g.shape, (1,) * g.ndim))
                  for g in groupwise)
-        y = fn(_to_tiles(x, layout), *views)
+        same = (None if e is None else _to_tiles(e, layout) for e in elementwise)
+        y = fn(_to_tiles(x, layout), *same, *views)
         padded = tuple(y.shape[i] * y.shape[i + 1] for i in range(0, y.ndim, 2))
         return _crop(jnp.reshape(y, padded, out_sharding=explicit_sharding(x)), x.shape)
     if layout.kind != "block":
-        return fn(x, *(None if g is None else expand(g, x.shape, layout) for g in groupwise))
+        return fn(x, *elementwise,
+                  *(None if g is None else expand(g, x.shape, layout) for g in groupwise))
     views = (None if g is None else jnp.expand_dims(g, layout.axis + 1) for g in groupwise)
-    return _from_blocks(fn(_to_blocks(x, layout), *views), x.shape, layout)
+    same = (None if e is None else _to_blocks(e, layout) for e in elementwise)
+    return _from_blocks(fn(_to_blocks(x, layout), *same, *views), x.shape, layout)
 
 
 def group_reduce(

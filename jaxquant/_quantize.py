@@ -147,7 +147,7 @@ def quantize(
 
     Raises:
       TypeError: non-float ``x`` or ``scale``, unknown format or scale dtype,
-        zero point of another dtype.
+        zero point of another dtype, a ``key`` that is not one PRNG key.
       ValueError: scale/zero-point shape fits no layout, ``axis`` out of range,
         ``packed`` for an 8-bit or wider format or a scalar ``x``,
         ``block_size <= 0``, a tile tuple of the wrong length, a block length
@@ -213,12 +213,22 @@ def check_flags(**flags) -> None:
 
 
 def _check_key(key):
+    """``key`` unchanged when it is ``None`` or one PRNG key (shared with `fake_quant`).
+
+    Raises:
+      TypeError: not a key array, or a batch of keys.
+    """
     if key is None:
         return None
-    if not (hasattr(key, "dtype") and (jax.dtypes.issubdtype(key.dtype, jax.dtypes.prng_key)
-                                       or (key.dtype == jnp.uint32 and key.shape == (2,)))):
+    dtype = getattr(key, "dtype", None)
+    if dtype is None or not (jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key)
+                             or dtype == jnp.uint32):
         raise TypeError(f"key must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
-                        f"{getattr(key, 'dtype', type(key).__name__)}.")
+                        f"{dtype or type(key).__name__}.")
+    if key.shape != (() if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else (2,)):
+        raise TypeError(f"key must be a single PRNG key (jax.random.key: shape (), "
+                        f"jax.random.PRNGKey: uint32 of shape (2,)), got {dtype} of shape "
+                        f"{key.shape}; vmap over a batch of keys.")
     return key
 
 
@@ -229,12 +239,14 @@ def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: 
     ``wide=True`` returns sub-byte integer codes as int8 (same values), and
     codebook codes as uint8. ``key`` draws the noise of stochastic rounding.
     """
-    def codes(x, s, zp):
-        noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+    def codes(x, noise, s, zp):
         return round_to_codes(quotient(x.astype(jnp.float32), s, fmt), zp, fmt, saturate, wide,
                               noise)
 
-    return apply_grouped(codes, x, layout, scale.astype(jnp.float32), zero_point)
+    # drawn at x's shape (as `fake_quant` draws it), not at the padded shape of the blocks
+    noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
+    return apply_grouped(codes, x, layout, scale.astype(jnp.float32), zero_point,
+                         elementwise=(noise,))
 
 
 def _record(x, stored_scale, divisor, zero_point, fmt: Format, layout: Layout, saturate: bool,

@@ -257,12 +257,18 @@ def stochastic_float(t: jax.Array, fmt: Format, noise: jax.Array) -> jax.Array:
       t: float32 quotients.
       fmt: a float format (float8, float4).
       noise: uniform ``[0, 1)`` draws of ``t``'s shape.
+
+    Returns:
+      float32 values of ``t``'s shape and sign on ``fmt``'s grid (extended past
+      its largest value: the caller clips); a value on the grid never moves.
     """
     info = ml_dtypes.finfo(fmt.dtype)
     a = jnp.abs(t)
     e = jnp.maximum(exponent(a), int(info.minexp))  # the binade; subnormals share the lowest
     quantum = pow2(e - int(info.nmant))
-    r = jnp.floor(a / quantum + noise) * quantum
+    # a / quantum is exact; `stochastic_int` avoids the float32 sum with the noise, which
+    # rounds up for the largest draws and would move a value already on the grid
+    r = stochastic_int(a / quantum, noise) * quantum
     return jnp.copysign(r, t)
 
 

@@ -50,9 +50,8 @@ def _check(qt, name: str) -> None:
     if qt.ndim not in (2, 3) or qt.layout.kind != "block" or qt.axis != qt.ndim - 1:
         raise ValueError(f"{name} must be of rank 2 or 3 and blocked along its last (contracting) "
                          f"axis, as jax.nn.scaled_matmul; got {qt!r}.")
-    if qt.zero_point is not None or qt.format.is_codebook:
-        raise ValueError(f"{name} must hold float or integer codes without a zero point, got "
-                         f"{qt!r}.")
+    if qt.zero_point is not None:
+        raise ValueError(f"{name} must hold codes without a zero point, got {qt!r}.")
 
 
 def _block_scales(qt: QTensor) -> tuple[jax.Array, jax.Array]:
@@ -79,8 +78,8 @@ def scaled_matmul(lhs: QTensor, rhs: QTensor, *,
     """``lhs @ rhs.T`` (per batch) of two block-scaled `QTensor` operands.
 
     Args:
-      lhs: ``(M, K)`` or ``(B, M, K)``, blocked along ``K`` (MXFP8, MXFP4,
-        NVFP4, or any blocked float/integer QTensor without zero point).
+      lhs: ``(M, K)`` or ``(B, M, K)``, blocked along ``K`` (MXFP8, MXFP6,
+        MXFP4, NVFP4, MXINT8, or any blocked QTensor without zero point).
       rhs: ``(N, K)`` or ``(B, N, K)``, blocked along ``K``, same rank.
       preferred_element_type: the output dtype (float).
       implementation: ``"cudnn"`` (`jax.nn.scaled_matmul`), ``"xla"`` (the
@@ -94,9 +93,9 @@ def scaled_matmul(lhs: QTensor, rhs: QTensor, *,
       TypeError: an operand that is not a QTensor, or a ``preferred_element_type``
         that is not a dtype.
       ValueError: ranks, layouts, contracting sizes or block sizes that do not
-        match; ``"cudnn"`` for operands cuDNN does not take (other formats, a
-        partial last block) or without a GPU; a ``preferred_element_type`` that
-        is not a float dtype.
+        match; an operand with a zero point; ``"cudnn"`` for operands cuDNN
+        does not take (other formats, a partial last block) or without a GPU;
+        a ``preferred_element_type`` that is not a float dtype.
 
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
@@ -127,6 +126,8 @@ def scaled_matmul(lhs: QTensor, rhs: QTensor, *,
     use_cudnn = implementation == "cudnn" or (implementation is None and ready
                                               and jax.default_backend() == "gpu")
     try:
+        if preferred_element_type is None:  # np.dtype(None) would be float64
+            raise TypeError
         out = np.dtype(preferred_element_type)
     except TypeError:
         raise TypeError(f"preferred_element_type must be a float dtype, got "

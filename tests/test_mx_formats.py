@@ -277,3 +277,23 @@ def test_cudnn_path_passes_codes_and_scales_as_jax_expects(name, monkeypatch):
     element = jnp.float8_e4m3fn if name == "mxfp8_e4m3" else jnp.float4_e2m1fn
     scale = jnp.float8_e8m0fnu if name == "mxfp8_e4m3" else jnp.float8_e4m3fn
     assert calls and calls[0] == [element, element, scale, scale]
+
+
+@pytest.mark.parametrize("name", ["mxfp6_e2m3", "mxfp6_e3m2"])
+def test_scaled_matmul_takes_mxfp6(name):
+    """MXFP6 is an OCP MX format: its product is the float64 product of the dequantized
+    operands (a partial last block and packed codes included)."""
+    a, b = _weights((2, 4, 80), seed=8), _weights((2, 3, 80), seed=9)
+    qa, qb = jq.quantize(a, dtype=name), jq.quantize(b, dtype=name, packed=True)
+    ref = np.einsum("bmk,bnk->bmn", np.asarray(qa.dequantize(), np.float64),
+                    np.asarray(qb.dequantize(), np.float64))
+    np.testing.assert_allclose(np.asarray(jq.scaled_matmul(qa, qb)), ref, rtol=1e-5,
+                               atol=1e-5 * np.abs(ref).max())
+
+
+def test_scaled_matmul_none_output_dtype_is_not_a_dtype():
+    """``np.dtype(None)`` is float64: ``None`` must not slip through as a silent float64
+    (truncated to float32 with a warning without x64)."""
+    a = jq.quantize(jnp.ones((4, 64)), dtype="mxfp4")
+    with pytest.raises(TypeError, match="preferred_element_type must be a float dtype, got None"):
+        jq.scaled_matmul(a, a, preferred_element_type=None)

@@ -88,3 +88,38 @@ def test_large_integer_codes_round_stochastically_without_bias(value, dtype):
     frac = np.float64(np.float32(value)) - low
     assert set(np.unique(codes) - low) <= ({0.0} if frac == 0 else {0.0, 1.0})
     assert abs(codes.astype(np.float64).mean() - low - frac) < 0.05
+
+
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn])
+def test_grid_values_never_move_under_the_largest_noise(dtype):
+    """A value on the grid is its own floor and ceil: no noise may move it. The float32 sum
+    ``t / quantum + noise`` rounds up for the largest draws of `jax.random.uniform`."""
+    from jaxquant._formats import get_format
+    from jaxquant._rounding import stochastic_float
+
+    grid = np.arange(256, dtype=np.uint8).view(dtype).astype(np.float32)
+    grid = jnp.asarray(np.unique(grid[np.isfinite(grid)]))
+    noise = jnp.full(grid.shape, 1 - 2.0**-23, jnp.float32)  # uniform's largest draw
+    np.testing.assert_array_equal(np.asarray(stochastic_float(grid, get_format(dtype), noise)),
+                                  np.asarray(grid))
+
+
+@pytest.mark.parametrize("dtype, kwargs", [("mxfp4", {}), ("nvfp4", {}),
+                                           (jnp.int8, dict(axis=1, block_size=24)),
+                                           (jnp.int4, dict(block_size=(2, 16)))])
+def test_quantize_draws_the_noise_of_fake_quant_with_partial_blocks(dtype, kwargs):
+    """`fake_quant` is `dequantize(quantize(...))` for one key too: the noise of an element
+    must not depend on the padding of a partial last block."""
+    x = jax.random.normal(jax.random.key(7), (5, 40))
+    k = jax.random.key(8)
+    q = jq.quantize(x, dtype=dtype, key=k, **kwargs).dequantize()
+    np.testing.assert_array_equal(np.asarray(q),
+                                  np.asarray(jq.fake_quant(x, dtype=dtype, key=k, **kwargs)))
+
+
+@pytest.mark.parametrize("key", [jax.random.split(jax.random.key(0), 2),
+                                 jnp.zeros((4,), jnp.uint32)])
+def test_key_of_the_wrong_shape_names_the_argument(key):
+    for fn in (jq.quantize, jq.fake_quant):
+        with pytest.raises(TypeError, match=r"key must be a single PRNG key.*shape \((2|4),\)"):
+            fn(jnp.ones(4), jnp.float32(1), key=key)
