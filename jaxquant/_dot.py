@@ -31,7 +31,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._granularity import normalize_axis
 from jaxquant._int_dot import ActQuant, check_int_operand, int_dot
-from jaxquant._qtensor import QTensor, is_qtensor
+from jaxquant._qtensor import QTensor, check_consistent, is_qtensor
 from jaxquant._weight_only import weight_only_dot
 
 __all__ = ["ActQuant", "QDotGeneral", "qdot_general", "promote_dtype"]
@@ -172,9 +172,10 @@ def qdot_general(
 
     Raises:
       TypeError: a non-float array operand; ``act_quant`` not an `ActQuant`; a
-        dimension that is not an int.
+        dimension that is not an int; a QTensor holding no codes.
       ValueError: bad ``dimension_numbers`` (malformed, out of range, or
-        contracting or batch dimensions of different sizes); int8 path: a
+        contracting or batch dimensions of different sizes); a QTensor whose
+        leaves do not fit its metadata (stacked, outside ``vmap``); int8 path: a
         float or wider than 8-bit QTensor, a scale varying along the
         contraction (per-axis on a contracting axis, blocked along another
         axis than the single contracting one), zero points on both operands,
@@ -194,7 +195,9 @@ def qdot_general(
                                out_sharding=out_sharding)
     ops = [op if _is_q(op) else jnp.asarray(op) for op in (lhs, rhs)]
     for name, op in zip(_SIDES, ops, strict=True):
-        if not (_is_q(op) or jnp.issubdtype(op.dtype, jnp.floating)):
+        if _is_q(op):
+            check_consistent(op, name)
+        elif not jnp.issubdtype(op.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array or a jaxquant.QTensor, got dtype "
                             f"{op.dtype}.")
     dims = _check_dims(dimension_numbers, (ops[0].shape, ops[1].shape))

@@ -32,7 +32,7 @@ from jaxquant._granularity import Layout, normalize_axis
 from jaxquant._shard_fit import check_shards_fit
 
 __all__ = ["PackedArray", "pack", "unpack", "pack_bits", "unpack_bits", "pack_fields",
-           "unpack_fields", "sign_extend", "packed_length", "split_groups"]
+           "unpack_fields", "sign_extend", "packed_length", "split_groups", "check_packed"]
 
 _UNSIGNED = {2: jnp.uint2, 4: jnp.uint4}
 
@@ -186,7 +186,7 @@ def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1
     return lax.bitcast_convert_type(u.astype(_UNSIGNED[bits]), dtype)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # holds an array: identity eq/hash
 class PackedArray:
     """Sub-byte codes stored packed in uint8, standing in for the code array.
 
@@ -245,6 +245,30 @@ class PackedArray:
 
 
 jax.tree_util.register_dataclass(PackedArray)
+
+
+def check_packed(p: PackedArray, argname: str = "qvalue", hint: str = "") -> None:
+    """A ValueError (naming ``argname``, the expected and the received shapes) when the
+    bytes of ``p`` do not hold codes of ``p.shape`` packed along ``p.axis``.
+
+    Args:
+      p: the `PackedArray` (its ``data`` may be abstract: only shapes are read).
+      argname: the argument to name.
+      hint: appended to the message.
+
+    Raises:
+      ValueError: ``p.axis`` out of range, or ``data`` of another shape.
+    """
+    shape, axis = tuple(p.shape), p.axis
+    if not 0 <= axis < len(shape):
+        raise ValueError(f"{argname}: packed axis {axis} is out of range for codes of shape "
+                         f"{shape}.{hint}")
+    bits = p.bits or get_format(p.dtype).bits
+    want = shape[:axis] + (packed_length(shape[axis], bits),) + shape[axis + 1:]
+    if tuple(p.data.shape) != want:
+        raise ValueError(f"{argname}: packed bytes of shape {tuple(p.data.shape)} do not hold "
+                         f"codes of shape {shape} packed along axis {axis}; expected bytes of "
+                         f"shape {want}.{hint}")
 
 
 def pack(x, axis: int = -1):

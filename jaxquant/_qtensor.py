@@ -12,9 +12,10 @@ from jax.typing import DTypeLike
 
 from jaxquant._formats import FORMATS, Format, get_format
 from jaxquant._granularity import Layout, expand, layout_from_scale, squeeze_tensor_scale
-from jaxquant._packing import PackedArray
+from jaxquant._packing import PackedArray, check_packed
 
-__all__ = ["QTensor", "is_qtensor", "check_zero_point", "zero_point_like_scale", "scale_values"]
+__all__ = ["QTensor", "is_qtensor", "check_zero_point", "zero_point_like_scale", "scale_values",
+           "check_consistent"]
 
 
 def _is_arraylike(v) -> bool:
@@ -70,7 +71,7 @@ def check_zero_point(zero_point, fmt: Format) -> None:
         )
 
 
-@dataclasses.dataclass(frozen=True, init=False)
+@dataclasses.dataclass(frozen=True, init=False, eq=False)
 class QTensor:
     """Quantized codes, their scale and zero point, and how they were grouped.
 
@@ -101,7 +102,9 @@ class QTensor:
     Pytree children are ``qvalue``, ``scale`` and ``zero_point``. Like
     equinox modules, unflattening skips the checks, because JAX rebuilds
     pytrees with placeholder leaves (``None``, ``ShapeDtypeStruct``, stacked
-    ``vmap`` outputs); dequantize inside a vmapped function.
+    ``vmap`` outputs); dequantize inside a vmapped function (`check_consistent`).
+    ``np.asarray`` / ``jnp.asarray`` raise a TypeError (call `dequantize`);
+    equality and hash are by identity (compare leaves with ``jax.tree.map``).
 
     Args:
       qvalue: codes of a format from `jaxquant.FORMATS`, or a `PackedArray`.
@@ -162,9 +165,15 @@ class QTensor:
                 raise ValueError(f"codebook format {codebook} takes no zero_point.")
         if not jnp.issubdtype(scale.dtype, jnp.floating):
             raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
-        dtype = np.dtype(dtype)
-        if not jnp.issubdtype(dtype, jnp.floating):
-            raise TypeError(f"dtype must be a float dtype, got {dtype}.")
+        try:  # np.dtype(None) would be float64
+            given = "None" if dtype is None else np.dtype(dtype)
+        except TypeError:
+            given = repr(dtype)
+        if not isinstance(given, np.dtype) or not jnp.issubdtype(given, jnp.floating):
+            raise TypeError(f"dtype must be a float dtype, got {given}.")
+        dtype = given
+        if isinstance(qvalue, PackedArray):
+            check_packed(qvalue)
         layout = layout_from_scale(tuple(qvalue.shape), tuple(scale.shape), axis, block_size)
         scale = squeeze_tensor_scale(scale, layout)
         if zero_point is not None:
@@ -255,9 +264,19 @@ class QTensor:
             "or quantize the slice instead."
         )
 
+    def __array__(self, dtype=None, copy=None):
+        """Refuses the conversion that ``np.asarray`` / ``jnp.asarray`` would make.
+
+        Raises:
+          TypeError: always; a QTensor's value is ``qt.dequantize()``.
+        """
+        raise TypeError(f"a jaxquant.QTensor is not an array ({self!r}); call qt.dequantize() "
+                        "(or jaxquant.dequantize_tree) to get its values.")
+
     def __repr__(self) -> str:
-        if not all(hasattr(a, "shape") and hasattr(a, "dtype") for a in (self.qvalue, self.scale)):
-            # placeholder leaves (PartitionSpecs, None, ...) of a tree rebuilt by a tree map
+        if not (all(_is_arraylike(a) for a in (self.qvalue, self.scale)) and _known(self)):
+            # placeholder leaves (PartitionSpecs, None, ...) of a tree rebuilt by a tree map,
+            # or leaves of other dtypes (a gradient's float0 codes)
             return (f"QTensor(qvalue={self.qvalue!r}, scale={self.scale!r}, "
                     f"zero_point={self.zero_point!r}, axis={self.axis}, "
                     f"block_size={self.block_size}, dtype={np.dtype(self.dtype).name})")
@@ -273,6 +292,52 @@ class QTensor:
             f"QTensor({self.format.name}{'(packed)' if self.packed else ''}{list(self.shape)}, "
             f"{gran}, {scale}{zp}, dtype={self.dtype.name})"
         )
+
+
+def _known(qt: QTensor) -> bool:  # codes of a format: not a gradient's float0 codes
+    return getattr(qt.qvalue.dtype, "name", None) in FORMATS  # codebook codes too: uint4/8
+
+
+def check_consistent(qt: QTensor, argname: str = "qt") -> None:
+    """Checks that ``qt``'s leaves still fit its metadata (static shapes and dtypes only).
+
+    Unflattening skips the constructor's checks: a stack of per-layer QTensors
+    (``vmap``/``scan`` outputs) keeps one layer's ``axis`` and ``block_size``.
+
+    Args:
+      qt: the QTensor.
+      argname: the argument to name in errors.
+
+    Raises:
+      TypeError: leaves that are not arrays, or codes of no quantized format.
+      ValueError: a scale, zero point or packed storage whose shape does not fit the codes.
+    """
+    hint = (" A QTensor stacked by jax.vmap / lax.scan (or jax.tree.map(jnp.stack, ...)) holds "
+            "one QTensor per entry of its leading axis: use it inside jax.vmap or lax.scan, "
+            "e.g. jax.vmap(jaxquant.dequantize)(qt).")
+    if not (_is_arraylike(qt.qvalue) and _is_arraylike(qt.scale) and _known(qt)):
+        got = [getattr(a, "dtype", type(a).__name__) for a in (qt.qvalue, qt.scale)]
+        raise TypeError(f"{argname} must hold codes of a quantized format and a float scale, "
+                        f"got {got[0]} and {got[1]} (a gradient's or a tree map's output?).")
+    if isinstance(qt.qvalue, PackedArray):
+        check_packed(qt.qvalue, f"{argname}.qvalue", hint)
+    layout = qt.layout
+    sshape, ndim = tuple(qt.scale.shape), qt.ndim
+    bad_axis = layout.axis is not None and not 0 <= layout.axis < ndim
+    if bad_axis or layout.kind == "tile" and len(layout.block_size) != ndim:
+        raise ValueError(f"{argname}: axis={qt.axis}, block_size={qt.block_size} do not fit "
+                         f"codes of shape {qt.shape}.{hint}")
+    want = layout.scale_shape(qt.shape)
+    fits = math.prod(sshape) == 1 and len(sshape) <= 1 if layout.kind == "tensor" \
+        else sshape == want
+    if not fits:
+        raise ValueError(f"{argname}.scale has shape {sshape}; codes of shape {qt.shape} with "
+                         f"axis={qt.axis}, block_size={qt.block_size} need {want}.{hint}")
+    if qt.zero_point is not None and tuple(qt.zero_point.shape) != sshape:
+        raise ValueError(f"{argname}.zero_point has shape {tuple(qt.zero_point.shape)}, not the "
+                         f"scale's {sshape}.{hint}")
+    if isinstance(qt.scale, QTensor):
+        check_consistent(qt.scale, f"{argname}.scale")
 
 
 def _nbytes(a) -> int:

@@ -29,7 +29,12 @@ from jaxquant._granularity import (
     squeeze_tensor_scale,
 )
 from jaxquant._packing import PackedArray, pack_bits, pack_fields
-from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
+from jaxquant._qtensor import (
+    QTensor,
+    check_consistent,
+    check_zero_point,
+    zero_point_like_scale,
+)
 from jaxquant._rounding import NAN_CODES, quotient, round_to_codes, scale_factors
 from jaxquant._scale_formats import ScaleOptions, scale_options, store_scale
 from jaxquant._scales import compute_scale
@@ -317,7 +322,10 @@ def dequantize(qt: QTensor, dtype: DTypeLike | None = None) -> jax.Array:
       An array of ``qt.shape``.
 
     Raises:
-      TypeError: if ``qt`` is not a `QTensor` or ``dtype`` is not a float dtype.
+      TypeError: if ``qt`` is not a `QTensor` (or holds no codes) or ``dtype`` is not a
+        float dtype.
+      ValueError: leaves that no longer fit the metadata (a stacked QTensor outside
+        ``vmap``/``scan``: see `jaxquant._qtensor.check_consistent`).
 
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
@@ -328,6 +336,7 @@ def dequantize(qt: QTensor, dtype: DTypeLike | None = None) -> jax.Array:
     """
     if not isinstance(qt, QTensor):
         raise TypeError(f"qt must be a jaxquant.QTensor, got {type(qt).__name__}.")
+    check_consistent(qt)
     dtype = qt.dtype if dtype is None else np.dtype(dtype)
     if not jnp.issubdtype(dtype, jnp.floating):
         raise TypeError(f"dtype must be a float dtype, got {dtype}.")
