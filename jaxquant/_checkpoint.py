@@ -86,7 +86,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
       FileNotFoundError: the directory of ``path`` does not exist.
       TypeError: a leaf that is not an array, or bad ``metadata``.
       ValueError: two leaves whose paths (or tensor names) coincide; a reserved
-        metadata key.
+        metadata key; packed codes with nonzero padding bits in their last byte.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, jaxquant as jq
@@ -225,7 +225,8 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
 
     Raises:
       TypeError: a leaf that is not an array, or bad ``metadata``.
-      ValueError: two leaves whose paths coincide; a reserved metadata key.
+      ValueError: two leaves whose paths coincide; a reserved metadata key; packed codes
+        with nonzero padding bits in their last byte.
       FileExistsError: ``directory`` exists already (checked before any work).
 
     Example:

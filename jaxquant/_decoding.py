@@ -19,13 +19,28 @@ import numpy as np
 from jaxquant._header import storage
 from jaxquant._packing import PackedArray, unpack_bits, unpack_fields
 from jaxquant._qtensor import QTensor, is_qtensor
-from jaxquant._serialization import block_size_of, crc32, join
+from jaxquant._serialization import block_size_of, crc32, host, join, padding_bits
 
 __all__ = ["verify", "build", "nest", "placements", "sharding_of"]
 
 
 def verify(where: str, key: str, spec: dict, stored_dtype: str, stored_shape, data) -> None:
-    """Checks a stored tensor's dtype, shape and CRC-32 against its header entry."""
+    """Checks a stored tensor's dtype, shape and CRC-32 against its header entry, and that
+    packed codes leave the padding bits of their last byte (or 6-bit group) zero.
+
+    Args:
+      where: the file, for messages.
+      key: the tensor's name.
+      spec: its header entry.
+      stored_dtype: the name of the dtype it is stored with.
+      stored_shape: the shape it is stored with.
+      data: its stored array (NumPy or jax), or its bytes.
+
+    Raises:
+      ValueError: another stored dtype or shape, a CRC-32 mismatch, or nonzero bits past
+        the header's length along the packed axis (a header whose shape was edited to
+        fewer codes that still fit the same bytes).
+    """
     dtype, shape = storage(spec)
     if stored_dtype != dtype.name or tuple(stored_shape) != shape:
         raise ValueError(f"{where}: tensor {key!r} is stored as {stored_dtype}"
@@ -34,6 +49,15 @@ def verify(where: str, key: str, spec: dict, stored_dtype: str, stored_shape, da
     if "crc32" in spec and crc32(data) != spec["crc32"]:
         raise ValueError(f"{where}: checksum mismatch in tensor {key!r}: CRC-32 {crc32(data)}, "
                          f"the header records {spec['crc32']}: corrupted file.")
+    if spec["encoding"] != "packed":
+        return
+    raw = isinstance(data, (bytes, bytearray, memoryview))  # safetensors' bytes
+    stored = np.frombuffer(data, dtype).reshape(shape) if raw else host(data)
+    if padding_bits(spec, stored).any():
+        n = (spec["shape"] or [1])[spec["axis"]]
+        raise ValueError(f"{where}: tensor {key!r} holds nonzero bits past its {n} codes along "
+                         f"axis {spec['axis']}: its header's shape {spec['shape']} does not fit "
+                         f"the stored bytes (corrupted or edited file).")
 
 
 def _put(where: str, key: str, x, sharding):

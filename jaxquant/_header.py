@@ -19,6 +19,7 @@ from jaxquant._packing import PackedArray, packed_length
 from jaxquant._qtensor import is_qtensor
 from jaxquant._serialization import (
     _KINDS,
+    _NOT_IN_XLA,
     _QTENSOR_FIELDS,
     _READABLE,
     _UINTS,
@@ -39,8 +40,11 @@ __all__ = ["is_jaxquant", "read_header", "plan", "storage"]
 
 def storage(spec: dict) -> tuple[np.dtype, tuple[int, ...]]:
     """The dtype and shape a tensor is stored with, from its header entry (ValueError for
-    one `encode` never writes: a bad shape, packed axis, or encoding for the dtype)."""
+    one `encode` never writes: a bad shape, packed axis, or encoding for the dtype, or a
+    dtype JAX has no arrays of)."""
     dtype, shape, encoding = np.dtype(spec["dtype"]), spec["shape"], spec["encoding"]
+    if dtype.name in _NOT_IN_XLA:
+        raise ValueError(f"dtype {dtype.name} has no JAX arrays, so encode never stores it")
     if not isinstance(shape, (list, tuple)) or any(type(n) is not int or n < 0 for n in shape):
         raise ValueError(f"shape {shape!r} is not a list of non-negative integers")
     shape = tuple(shape)
@@ -77,6 +81,9 @@ def _leaf_keys(path: str, entry: dict) -> list[str]:
         if not isinstance(entry[name], kinds):
             raise ValueError(f"the QTensor entry {path!r} has {name}={entry[name]!r}; expected "
                              f"a {kinds.__name__}")
+    if np.dtype(entry["dtype"]).name in _NOT_IN_XLA:  # it could not be dequantized
+        raise ValueError(f"the QTensor entry {path!r} has dtype={entry['dtype']!r}, which JAX "
+                         f"has no arrays of")
     keys = [join(path, "qvalue")]
     if "scale" in entry:
         keys += _leaf_keys(join(path, "scale"), entry["scale"])
@@ -157,6 +164,10 @@ def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:
     if kind == "array" and not _is_arraylike(t):
         raise TypeError(f"{where}: {path!r}: target leaves must be arrays, ShapeDtypeStructs, "
                         f"QTensors or PackedArrays, got {type(t).__name__}.")
+    if kind == "array" and jax.dtypes.issubdtype(t.dtype, jax.dtypes.prng_key):
+        raise TypeError(f"{where}: {path!r}: the target holds a PRNG key array ({t.dtype}), "
+                        f"which checkpoints do not store: save jax.random.key_data(key), load it "
+                        f"into a uint32 target and rebuild it with jax.random.wrap_key_data.")
     if entry["kind"] != kind:
         raise TypeError(f"{where}: {path!r}: the target holds {_KINDS[kind]}, the file "
                         f"{_KINDS[entry['kind']]}.")

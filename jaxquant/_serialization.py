@@ -29,7 +29,8 @@ from jaxquant._packing import PackedArray, pack_bits, pack_fields
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import is_record, path_str
 
-__all__ = ["encode", "header_metadata", "crc32", "block_size_of", "join", "ST_CODES", "HEADER_KEY"]
+__all__ = ["encode", "header_metadata", "crc32", "block_size_of", "join", "padding_bits",
+           "ST_CODES", "HEADER_KEY"]
 
 FORMAT_NAME = "jaxquant.checkpoint"
 FORMAT_VERSION = 2  # 2: codebook QTensors and QTensor scales (two-level); reads 1 and 2
@@ -76,6 +77,28 @@ def host(a) -> np.ndarray:
         return np.zeros(a.shape, a.dtype)
     a = np.asarray(a, order="C")  # not ascontiguousarray: it makes scalars 1-D
     return a.astype(a.dtype.newbyteorder("<")) if a.dtype.byteorder == ">" else a
+
+
+def padding_bits(spec: dict, stored: np.ndarray) -> np.ndarray:
+    """The padding bits of a packed tensor's last byte (or 6-bit group of three bytes).
+
+    Args:
+      spec: the tensor's header entry (``"encoding": "packed"``).
+      stored: its stored bytes, a uint8 NumPy array.
+
+    Returns:
+      The bits past the last code along the packed axis, one entry per last byte (or
+      group); all zero in what `encode` writes, and empty when no byte is partial.
+    """
+    axis, bits = spec["axis"], spec.get("bits") or _subbyte_bits(np.dtype(spec["dtype"]))
+    per = 4 if bits == 6 else 8 // bits  # codes per group: 3 bytes (6 bits), or 1 byte
+    used = (spec["shape"] or [1])[axis] % per
+    if not used:
+        return np.zeros(0, np.uint32)
+    width = 3 if bits == 6 else 1
+    group = np.moveaxis(stored, axis, 0)[-width:].astype(np.uint32)
+    value = sum(group[i] << (8 * i) for i in range(width))
+    return value >> (bits * used)
 
 
 # --- tree -> tensors + header ------------------------------------------------------------
@@ -169,6 +192,12 @@ def encode(tree: Any, *, to_host: bool,
     With ``to_host`` the tensors are NumPy arrays; otherwise they stay where they
     are (sharded jax.Arrays for orbax). Checksums are taken of the host bytes.
     ``on_tensor`` is called after each tensor (a progress bar's ``update``).
+
+    Raises:
+      TypeError: a leaf that is not an array, QTensor or PackedArray, or one that cannot
+        be stored (abstract, a PRNG key, a dtype without a safetensors dtype of its width).
+      ValueError: two leaves or tensors under one name; packed codes whose last byte has
+        nonzero padding bits.
     """
     leaves: dict[str, dict] = {}
     specs: dict[str, dict] = {}
@@ -180,6 +209,11 @@ def encode(tree: Any, *, to_host: bool,
                              f"of the tree keys so that their '/'-joined paths differ.")
         spec, data = _encode_array(key, x)
         h = host(data)
+        if spec["encoding"] == "packed" and padding_bits(spec, h).any():
+            raise ValueError(f"{key!r}: packed codes with nonzero bits past their "
+                             f"{(spec['shape'] or [1])[spec['axis']]} codes along axis "
+                             f"{spec['axis']} (the padding of the last byte), which loading "
+                             f"would refuse; repack them: jq.pack(jq.unpack(x)).")
         specs[key], tensors[key] = spec | {"crc32": crc32(h)}, (h if to_host else data)
         if on_tensor is not None:
             on_tensor()
