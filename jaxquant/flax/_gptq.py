@@ -26,7 +26,7 @@ from jaxquant._tree import QuantSpec
 from jaxquant.flax._rules import QuantConfig, select
 
 __all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "linen_input_grams",
-           "record_gram"]
+           "live_grams", "record_gram"]
 
 
 def record_gram(grams: dict, path: str, x: jax.Array) -> None:
@@ -47,6 +47,33 @@ class GramRecorder:
     def __call__(self, lhs, rhs, *args, **kwargs):
         record_gram(self.grams, self.path, lhs)
         return self.inner(lhs, rhs, *args, **kwargs)
+
+
+def live_grams(grams: dict) -> dict:
+    """``grams`` as they are, once checked to hold no tracer escaped from a transform.
+
+    A `GramRecorder` on a layer called inside ``nnx.scan``, ``nnx.vmap`` or
+    ``nnx.remat`` records a tracer of that transform, which outlives it (and is
+    one Gram for all the stacked layers).
+
+    Args:
+      grams: ``{path: gram}`` recorded by `GramRecorder` s.
+
+    Returns:
+      ``grams``.
+
+    Raises:
+      ValueError: a gram recorded inside a transform, naming its layer.
+    """
+    for path, gram in grams.items():
+        try:
+            jnp.add(gram, 0)  # an escaped tracer fails here; an outer jit's does not
+        except jax.errors.UnexpectedTracerError:
+            raise ValueError(f"nnx_input_grams records Linear layers called directly by the "
+                             f"model; the layer at {path!r} runs inside a transform (nnx.scan, "
+                             f"nnx.vmap, nnx.remat), which is not supported; give it a None "
+                             f"rule in the rules of nnx_input_grams.") from None
+    return grams
 
 
 def linen_input_grams(module: nn.Module, rules, variables, args: tuple,

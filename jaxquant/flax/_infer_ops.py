@@ -12,8 +12,10 @@ name the layer (``where``). `InferPromote` keeps the layer's own
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
+import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -21,6 +23,7 @@ from jaxquant._barriers import int_conv
 from jaxquant._dot import ActQuant, qdot_general
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._einsum import qeinsum
+from jaxquant._fake_quant import fake_quant
 from jaxquant._packing import unpack
 from jaxquant._qtensor import is_qtensor, scale_values
 from jaxquant._quantize import quantize
@@ -59,14 +62,37 @@ def promoted_kernel(qt, dtype):
     return qt.dequantize().astype(dtype)
 
 
-def _lhs_and_act_quant(lhs, act: ActSpec | None):
-    """``(lhs, act_quant)`` for `qdot_general`: the input as it is with its dynamic `ActQuant`,
-    or quantized with ``act``'s static scale; ``(lhs, None)`` for weight-only."""
-    if act is None:
-        return lhs, None
-    if act.scale is None:
-        return lhs, act.act_quant()
-    return quantize(lhs, jnp.asarray(act.scale, jnp.float32), dtype=jnp.int8), ActQuant()
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _straight_through(exact: Callable, approx: Callable, lhs, rhs):
+    """``exact(lhs, rhs)`` (an op on the input's int8 codes) with the gradients of
+    ``approx(lhs, rhs)`` (the float op on the fake-quantized input and the dequantized
+    kernel): straight through the input's quantization, as `jaxquant.qdot_general`'s
+    dynamic int8 dot is differentiated."""
+    return exact(lhs, rhs)
+
+
+def _straight_through_fwd(exact, approx, lhs, rhs):
+    return exact(lhs, rhs), (lhs, rhs)
+
+
+def _straight_through_bwd(exact, approx, res, g):
+    return jax.vjp(approx, *res)[1](g)
+
+
+_straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
+
+
+def _int8_op(act: ActSpec | None, int_op: Callable, float_op: Callable, lhs, rhs, out):
+    """``int_op(lhs, rhs, act_quant)`` for `qdot_general` / `qeinsum`: the input as it is
+    with its dynamic `ActQuant` (``None``: weight-only), or its codes of ``act``'s static
+    scale, differentiated straight through as ``float_op`` of the float operands."""
+    if act is None or act.scale is None:
+        return int_op(lhs, rhs, None if act is None else act.act_quant())
+    scale = jnp.asarray(act.scale, jnp.float32)
+    exact = lambda a, b: int_op(quantize(a, scale, dtype=jnp.int8), b, ActQuant())
+    approx = lambda a, b: float_op(fake_quant(a, scale, dtype=jnp.int8).astype(jnp.float32),
+                                   b.dequantize(jnp.float32)).astype(out)
+    return _straight_through(exact, approx, lhs, rhs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,10 +119,12 @@ class InferDot(_InferOp):
             return lax.dot_general(lhs, rhs, dimension_numbers, precision,
                                    **_kwargs(out_sharding, preferred_element_type))
         out = preferred_element_type or lhs.dtype
+        int_op = lambda a, b, aq: qdot_general(a, b, dimension_numbers, precision, out,
+                                               out_sharding=out_sharding, act_quant=aq)
+        float_op = lambda a, b: lax.dot_general(a, b, dimension_numbers, precision,
+                                                preferred_element_type=jnp.float32)
         with layer_errors(self.where):
-            lhs, aq = _lhs_and_act_quant(lhs, self.act)
-            return qdot_general(lhs, rhs, dimension_numbers, precision, out,
-                                out_sharding=out_sharding, act_quant=aq)
+            return _int8_op(self.act, int_op, float_op, lhs, rhs, out)
 
 
 class InferEinsum(_InferOp):
@@ -111,10 +139,12 @@ class InferEinsum(_InferOp):
                               **_kwargs(out_sharding, preferred_element_type))
         s = explicit_einsum(subscripts, lhs.ndim, rhs.ndim)
         out = preferred_element_type or lhs.dtype
+        int_op = lambda a, b, aq: qeinsum(s, a, b, precision=precision,
+                                          preferred_element_type=out, act_quant=aq)
+        float_op = lambda a, b: jnp.einsum(s, a, b, precision=precision,
+                                           preferred_element_type=jnp.float32)
         with layer_errors(self.where):
-            lhs, aq = _lhs_and_act_quant(lhs, self.act)
-            return qeinsum(s, lhs, rhs, precision=precision, preferred_element_type=out,
-                           act_quant=aq)
+            return _int8_op(self.act, int_op, float_op, lhs, rhs, out)
 
 
 class InferConv(_InferOp):
@@ -123,7 +153,11 @@ class InferConv(_InferOp):
     Weight-only: the kernel is dequantized inside the jitted convolution.
     int8 x int8 -> int32 (``act`` given): the input gets one scale (static, or
     its absmax / 127), the kernel needs symmetric integer codes of at most 8
-    bits, per tensor or per output feature.
+    bits, per tensor or per output feature; gradients pass straight through the
+    input's quantization (those of the float convolution of the fake-quantized input).
+
+    Raises:
+      ValueError: int8: an input of another rank than the kernel's; a kernel it cannot take.
     """
 
     def __call__(self, lhs, rhs, window_strides, padding, lhs_dilation=None,
@@ -144,6 +178,10 @@ class InferConv(_InferOp):
 
     def _int8_conv(self, conv, lhs, rhs, dimension_numbers, feature_group_count, out):
         self.act.act_quant()  # int8 only
+        if lhs.ndim != rhs.ndim:
+            raise ValueError(f"conv_general_dilated lhs and rhs must have the same number of "
+                             f"dimensions, got lhs of shape {lhs.shape} and a kernel of shape "
+                             f"{rhs.shape}.")
         dn = lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
         fmt, layout = rhs.format, rhs.layout
         if not (fmt.is_integer and fmt.signed and fmt.bits <= 8 and rhs.zero_point is None
@@ -154,15 +192,24 @@ class InferConv(_InferOp):
                 f"most 8 bits, quantized per tensor or per output feature (axis "
                 f"{dn.rhs_spec[0]}), got {rhs!r}; use act=None for a weight-only convolution.")
         scale = None if self.act.scale is None else jnp.asarray(self.act.scale, jnp.float32)
-        x = quantize(lhs, scale, dtype=jnp.int8)
-        acc = int_conv(conv, x.qvalue, unpack(rhs).qvalue.astype(jnp.int8), dn,
-                       feature_group_count)
-        shape = [1] * acc.ndim
-        shape[dn.out_spec[1]] = -1
-        sv = scale_values(rhs)
-        s = sv.reshape(shape) if layout.kind == "axis" else sv.reshape(())
-        y = acc.astype(jnp.float32) * x.scale.reshape(()) * s
-        return y.astype(out)
+
+        def exact(lhs, rhs):
+            x = quantize(lhs, scale, dtype=jnp.int8)
+            acc = int_conv(conv, x.qvalue, unpack(rhs).qvalue.astype(jnp.int8), dn,
+                           feature_group_count)
+            shape = [1] * acc.ndim
+            shape[dn.out_spec[1]] = -1
+            sv = scale_values(rhs)
+            s = sv.reshape(shape) if layout.kind == "axis" else sv.reshape(())
+            y = acc.astype(jnp.float32) * x.scale.reshape(()) * s
+            return y.astype(out)
+
+        def approx(lhs, rhs):  # the float convolution of the fake-quantized input
+            a = fake_quant(lhs, scale, dtype=jnp.int8).astype(jnp.float32)
+            y = conv(a, rhs.dequantize(jnp.float32), preferred_element_type=jnp.float32)
+            return y.astype(out)
+
+        return _straight_through(exact, approx, lhs, rhs)
 
 
 @dataclasses.dataclass(frozen=True)

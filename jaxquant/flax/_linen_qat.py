@@ -70,7 +70,8 @@ def learned(scope, name: str, spec, kernel):
         if not scope.is_mutable_collection("quant"):
             raise ValueError(f"learn_scale=True needs the 'quant' variable {names[0]} of init "
                              f"(pass init's whole variables, not only 'params'); nn.scan / "
-                             f"nn.vmap need 'quant' in variable_axes.")
+                             f"nn.vmap need 'quant' in variable_axes (or, where they broadcast "
+                             f"'params', in variable_broadcast).")
         for n, value in zip(names, init_qparams(kernel, spec), strict=True):
             if n is not None:
                 scope.put_variable("quant", n, value)

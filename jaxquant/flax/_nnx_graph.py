@@ -3,7 +3,9 @@
 ``nnx.iter_graph`` visits a module once, at its first path. A layer reachable
 at several paths (one module held by two attributes: tied weights) is one
 layer, listed at that first path; rules that would give its paths different
-configs are refused, rather than silently following the first path.
+configs are refused, rather than silently following the first path. So are
+rules that give different configs to two layers sharing one kernel ``Variable``
+(``b.kernel = a.kernel``): it holds one float or one QTensor kernel.
 """
 
 from __future__ import annotations
@@ -58,7 +60,8 @@ def covered_layers(model: nnx.Module, rules: Rules
 
     Raises:
       TypeError, ValueError: malformed rules; a shared layer whose paths the rules
-        give different configs.
+        give different configs, or layers sharing a kernel Variable that they give
+        different configs.
 
     Example:
       >>> from flax import nnx
@@ -68,11 +71,19 @@ def covered_layers(model: nnx.Module, rules: Rules
     """
     compiled = check_rules(rules)
     shared = {k: v for k, v in layer_paths(model).items() if len(v) > 1}
+    kernels: dict[int, tuple[str, QuantConfig | None]] = {}  # by the kernel Variable's id
     for path, node in nnx.iter_graph(model):
         if not isinstance(node, LAYERS):
             continue
         p = "/".join(str(k) for k in path)
         cfg = select(p, compiled)[0]
+        var = getattr(node, "embedding" if isinstance(node, nnx.Embed) else "kernel")
+        first, first_cfg = kernels.setdefault(id(var), (p, cfg))
+        if first_cfg != cfg:
+            raise ValueError(
+                f"the {type(node).__name__} at {p!r} shares its kernel Variable with the "
+                f"layer at {first!r}, but the rules give {p!r} {cfg} and {first!r} "
+                f"{first_cfg}; make the rules of both layers agree.")
         for q in shared.get(id(node), ()):
             if (other := select(q, compiled)[0]) != cfg:
                 raise ValueError(

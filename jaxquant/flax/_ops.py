@@ -148,6 +148,9 @@ def fake_quant_act(x: jax.Array, act: ActSpec, contract: tuple[int, ...] | None)
 
     Per token: one scale per index of the dimensions not in ``contract``
     (negative entries count from the end); ``contract=None`` means per tensor.
+
+    Raises:
+      ValueError: per token, a ``contract`` axis that ``x`` does not have.
     """
     if act.scale is not None:  # symmetric: unsigned codes around their mid-range zero point
         scale = jnp.asarray(act.scale, jnp.float32)
@@ -155,6 +158,9 @@ def fake_quant_act(x: jax.Array, act: ActSpec, contract: tuple[int, ...] | None)
                           dtype=act.dtype)
     if act.granularity == "tensor" or contract is None:
         return fake_quant(x, dtype=act.dtype)
+    if any(not -x.ndim <= d < x.ndim for d in contract):
+        raise ValueError(f"the layer contracts input axes {tuple(contract)}, but its input "
+                         f"has shape {tuple(x.shape)}.")
     red = sorted({d % x.ndim for d in contract})
     keep = [d for d in range(x.ndim) if d not in red]
     xt = jnp.transpose(x, keep + red)
@@ -206,7 +212,8 @@ class QATPromote:
 
     Called as linen calls it (``(inputs, kernel, bias, dtype=...)``) or as nnx
     does (one tuple); the kernel is the second item (the only one for an
-    ``Embed`` lookup), the input the first.
+    ``Embed`` lookup), the input the first. An integer input (uint8 pixels) is
+    first cast by ``inner``, as the float layer casts it, then fake-quantized.
 
     Attributes:
       inner: the layer's own ``promote_dtype``, applied afterwards.
@@ -231,15 +238,21 @@ class QATPromote:
         as_tuple = len(args) == 1 and isinstance(args[0], tuple)
         items = list(args[0] if as_tuple else args)
         k = 1 if len(items) >= 2 else 0
+
+        def inner(v):
+            if as_tuple:
+                return self.inner(tuple(v), dtype=dtype, inexact=inexact)
+            return self.inner(*v, dtype=dtype, inexact=inexact)
+
         with layer_errors(self.where):
             if self.weight is not None and items[k] is not None:
                 s, z = (None, None) if self.scale is None else self.scale(items[k])
                 items[k] = fake_quant_weight(items[k], self.weight, s, z)
             if self.act is not None and len(items) >= 2:
+                if not jnp.issubdtype(jnp.result_type(items[0]), jnp.inexact):
+                    items[0] = inner(items[:2])[0]  # integer input (uint8 pixels): cast first
                 items[0] = fake_quant_act(items[0], self.act, self.contract)
-        if as_tuple:
-            return self.inner(tuple(items), dtype=dtype, inexact=inexact)
-        return self.inner(*items, dtype=dtype, inexact=inexact)
+        return inner(items)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -55,8 +55,8 @@ def _interceptor(rules, record: dict | None = None):
         if is_qtensor(stored):
             check_kernel_shape(m, name, stored, args, kwargs)
             with layer_errors(where), unrecorded():
-                return infer(m, method, None if cfg is None else cfg.act, stored, args, kwargs)
-        if cfg is None or (cfg.weight is None and cfg.act is None):
+                y = infer(m, method, None if cfg is None else cfg.act, stored, args, kwargs)
+        elif cfg is None or (cfg.weight is None and cfg.act is None):
             y = next_fun(*args, **kwargs)
         else:
             with layer_errors(where):
@@ -106,6 +106,9 @@ class QuantizedLinen:
     rules: tuple
 
     def __post_init__(self):
+        if isinstance(self.module, type) and issubclass(self.module, nn.Module):
+            raise TypeError(f"module must be a flax.linen.Module instance, got the class "
+                            f"{self.module.__name__}; pass {self.module.__name__}(...).")
         if not isinstance(self.module, nn.Module):
             raise TypeError(f"module must be a flax.linen.Module, got "
                             f"{type(self.module).__name__}.")
@@ -147,6 +150,7 @@ class QuantizedLinen:
 
     def _survey(self, variables, args, kwargs) -> dict:
         record: dict = {}
+        kwargs = {k: v for k, v in kwargs.items() if k != "mutable"}  # every one, below
         fn = lambda v: self._run(self.module.apply, v, *args, record=record, mutable=True,
                                  **kwargs)
         jax.eval_shape(fn, variables)
@@ -156,7 +160,7 @@ class QuantizedLinen:
         """The covered layers the model calls, by path, with the config each gets.
 
         Args:
-          variables: the model's variables.
+          variables: the model's variables (float, or from `quantize_params`).
           *args: the model's inputs; ``apply`` is traced abstractly
             (``jax.eval_shape``), nothing is computed.
           **kwargs: keyword arguments of ``module.apply``.

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._boxes import qtensor_pspec
-from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel
+from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel, live_grams
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
 from jaxquant.flax._nnx_graph import covered_layers, layer_paths
 from jaxquant.flax._ops import (
@@ -278,10 +278,9 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
 def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[str, jax.Array]:
     """Gram matrices of the inputs of ``Linear`` layers with a weight rule, for GPTQ.
 
-    Calls ``model(*args, **kwargs)`` once (eagerly) on a calibration batch with a
-    recording ``dot_general`` on each such layer, removed afterwards, and returns
-    per layer path ``x^T x`` over the rows of the input its dot receives (every
-    leading axis). Grams add up over batches (``jax.tree.map(jnp.add, a, b)``).
+    Calls ``model(*args, **kwargs)`` once (eagerly) on a calibration batch with a recording
+    ``dot_general`` on each such layer, removed afterwards, and returns per layer path ``x^T x``
+    over the rows of its dot's input (every leading axis). Grams add up over batches.
 
     Args:
       model: a float ``nnx.Module``.
@@ -292,10 +291,11 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
     Returns:
       ``{path: float32 (in, in) array}``, for `nnx_quantize` ``grams=``.
 
+    Raises:
+      ValueError: a recorded layer run inside ``nnx.scan``, ``nnx.vmap`` or ``nnx.remat``.
+
     Example:
       >>> import jax.numpy as jnp
-      >>> from flax import nnx
-      >>> from jaxquant.flax import QuantConfig
       >>> model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
       >>> {k: v.shape for k, v in nnx_input_grams(model, QuantConfig(), jnp.ones((5, 3))).items()}
       {'layers/0': (3, 3)}
@@ -311,7 +311,7 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
     finally:
         for layer, dot in hooked:
             layer.dot_general = dot
-    return grams
+    return live_grams(grams)
 
 
 def _quantize_kernel(path: str, kernel, spec, hook, extra: int):
