@@ -60,9 +60,10 @@ def _check_dims(dimension_numbers, shapes) -> tuple:
       The normalized dimension numbers.
 
     Raises:
-      ValueError: a malformed ``dimension_numbers``, a dimension out of range,
-        lhs and rhs with different numbers of contracting (batch) dimensions or
-        different sizes along them.
+      ValueError: a malformed ``dimension_numbers``, a dimension out of range or
+        repeated (among contracting and batch dimensions of one side), lhs and rhs
+        with different numbers of contracting (batch) dimensions or different sizes
+        along them.
       TypeError: a dimension that is not an int.
     """
     try:
@@ -80,6 +81,13 @@ def _check_dims(dimension_numbers, shapes) -> tuple:
         if len(pair[0]) != len(pair[1]):
             raise ValueError(f"lhs and rhs must have as many {name} dimensions, got "
                              f"{pair[0]} and {pair[1]}.")
+        for i, dims in enumerate(pair):
+            seen = dims + (out[0][i] if out else ())
+            if len(set(seen)) != len(seen):
+                raise ValueError(f"{_SIDES[i]}: a dimension may appear once among the "
+                                 f"contracting and batch dimensions, got {name} dimensions "
+                                 f"{dims}" + (f" and contracting {out[0][i]}" if out else "")
+                                 + f" of an operand of shape {tuple(shapes[i])}.")
         sizes = [tuple(shapes[i][d] for d in pair[i]) for i in (0, 1)]
         if sizes[0] != sizes[1]:
             raise ValueError(f"the {name} dimensions of lhs {pair[0]} and rhs {pair[1]} must "

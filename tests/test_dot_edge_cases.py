@@ -286,3 +286,16 @@ def test_hadamard_takes_numpy_integers():
     ref = (x.astype(np.float64).reshape(3, 2, 8) @ h).reshape(3, 16)
     y = jq.hadamard_transform(x, np.int64(-1), block_size=np.int64(8))
     np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("dims", [
+    (((0, 0), (0, 1)), ((), ())),         # lhs contracts axis 0 twice (LinearGeneral of a rank-1 input)
+    (((1,), (1,)), ((1,), (0,))),         # lhs axis 1 both contracted and batch
+])
+def test_repeated_dimensions_are_refused_as_lax_refuses_them(dims):
+    x = jnp.ones((4, 4), jnp.float32)
+    w = jq.quantize(jnp.ones((4, 4), jnp.float32), axis=1)
+    with pytest.raises(TypeError):  # lax's own check, on float operands
+        jax.lax.dot_general(x, jnp.ones((4, 4), jnp.float32), dims)
+    with pytest.raises(ValueError, match=r"lhs: a dimension may appear once.*\(4, 4\)"):
+        jq.qdot_general(x, w, dims)
