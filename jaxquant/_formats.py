@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from jax.typing import DTypeLike
 
-__all__ = ["Format", "FORMATS", "CODEBOOKS", "get_format"]
+__all__ = ["Format", "FORMATS", "CODEBOOKS", "get_format", "value_dtype"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,3 +188,33 @@ def get_format(dtype: DTypeLike, *, argname: str = "dtype") -> Format:
             f"{sorted(CODEBOOKS)}, got {dtype!r}."
         )
     return FORMATS[name]
+
+
+def value_dtype(dtype, argname: str = "dtype") -> np.dtype:
+    """``dtype`` as a NumPy float dtype that values (not codes) can have in XLA.
+
+    Args:
+      dtype: a float dtype (or its name) of dequantized values.
+      argname: the argument to name in errors.
+
+    Returns:
+      The ``np.dtype``.
+
+    Raises:
+      TypeError: ``None``, not a dtype, not floating, or a float6 dtype (codes only:
+        XLA has no float6 arrays).
+
+    Example:
+      >>> value_dtype("bfloat16").name
+      'bfloat16'
+    """
+    try:  # np.dtype(None) would be float64
+        got = "None" if dtype is None else np.dtype(dtype)
+    except TypeError:
+        got = repr(dtype)
+    if not isinstance(got, np.dtype) or not jnp.issubdtype(got, jnp.floating):
+        raise TypeError(f"{argname} must be a float dtype, got {got}.")
+    if got.name.startswith("float6"):
+        raise TypeError(f"{argname} must be a float dtype XLA computes in, got {got.name} "
+                        "(float6 is a code format only: dequantize to float32 or bfloat16).")
+    return got

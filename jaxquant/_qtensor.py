@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxquant._formats import FORMATS, Format, get_format
+from jaxquant._formats import FORMATS, Format, get_format, value_dtype
 from jaxquant._granularity import Layout, expand, layout_from_scale, squeeze_tensor_scale
 from jaxquant._packing import PackedArray, check_packed
 
@@ -165,13 +165,7 @@ class QTensor:
                 raise ValueError(f"codebook format {codebook} takes no zero_point.")
         if not jnp.issubdtype(scale.dtype, jnp.floating):
             raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
-        try:  # np.dtype(None) would be float64
-            given = "None" if dtype is None else np.dtype(dtype)
-        except TypeError:
-            given = repr(dtype)
-        if not isinstance(given, np.dtype) or not jnp.issubdtype(given, jnp.floating):
-            raise TypeError(f"dtype must be a float dtype, got {given}.")
-        dtype = given
+        dtype = value_dtype(dtype)
         if isinstance(qvalue, PackedArray):
             check_packed(qvalue)
         layout = layout_from_scale(tuple(qvalue.shape), tuple(scale.shape), axis, block_size)

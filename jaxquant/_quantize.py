@@ -19,7 +19,7 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._codebooks import decode
-from jaxquant._formats import Format
+from jaxquant._formats import Format, value_dtype
 from jaxquant._granularity import (
     Layout,
     apply_grouped,
@@ -323,7 +323,7 @@ def dequantize(qt: QTensor, dtype: DTypeLike | None = None) -> jax.Array:
 
     Raises:
       TypeError: if ``qt`` is not a `QTensor` (or holds no codes) or ``dtype`` is not a
-        float dtype.
+        float dtype XLA computes in (not float6).
       ValueError: leaves that no longer fit the metadata (a stacked QTensor outside
         ``vmap``/``scan``: see `jaxquant._qtensor.check_consistent`).
 
@@ -337,10 +337,7 @@ def dequantize(qt: QTensor, dtype: DTypeLike | None = None) -> jax.Array:
     if not isinstance(qt, QTensor):
         raise TypeError(f"qt must be a jaxquant.QTensor, got {type(qt).__name__}.")
     check_consistent(qt)
-    dtype = qt.dtype if dtype is None else np.dtype(dtype)
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"dtype must be a float dtype, got {dtype}.")
-    return _dequantize(qt, dtype)
+    return _dequantize(qt, qt.dtype if dtype is None else value_dtype(dtype))
 
 
 def code_values(qt: QTensor) -> jax.Array:

@@ -187,3 +187,13 @@ def test_constructor_dtype_must_be_a_float_dtype(dtype, shown):
     """``dtype=None`` used to become float64 (NumPy's default dtype)."""
     with pytest.raises(TypeError, match=f"dtype must be a float dtype, got {shown}"):
         jq.QTensor(jnp.zeros((2, 2), jnp.int8), jnp.ones(()), dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float6_e2m3fn", "float6_e3m2fn"])
+def test_float6_is_refused_as_a_value_dtype(dtype):
+    # float6 is a code format only: XLA has no float6 arrays to dequantize into
+    q = jq.quantize(jnp.ones(4), dtype=jnp.int8)
+    with pytest.raises(TypeError, match=f"dtype must be a float dtype XLA computes in, got {dtype}"):
+        jq.QTensor(q.qvalue, q.scale, dtype=dtype)
+    with pytest.raises(TypeError, match="float6 is a code format only"):
+        jq.dequantize(q, dtype)
