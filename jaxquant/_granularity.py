@@ -212,19 +212,24 @@ def expand(v: jax.Array, shape: tuple[int, ...], layout: Layout) -> jax.Array:
         dims[layout.axis] = shape[layout.axis]
         return jnp.reshape(v, dims)
     if layout.kind == "tile":
-        tiles = layout.block_size
+        tiles = _lengths(shape, layout.block_size)
         v = jnp.reshape(v, _interleave(v.shape, (1,) * v.ndim))
         v = jnp.broadcast_to(v, _interleave(v.shape[::2], tiles))
         v = v.reshape(tuple(n * b for n, b in zip(v.shape[::2], tiles, strict=True)))
         return _crop(v, shape)
-    a, n, bs = layout.axis, shape[layout.axis], layout.block_size
-    nb = v.shape[a]
+    a, n = layout.axis, shape[layout.axis]
+    nb, (bs,) = v.shape[a], _lengths((n,), (layout.block_size,))
     # Broadcast along a new axis after `a`, then merge: XLA fuses this into the consumer.
     v = jnp.expand_dims(v, a + 1)
     full = list(v.shape)
     full[a + 1] = bs
     v = jnp.broadcast_to(v, full).reshape(shape[:a] + (nb * bs,) + shape[a + 1:])
     return lax.slice_in_dim(v, 0, n, axis=a) if nb * bs != n else v
+
+
+def _lengths(shape: tuple[int, ...], blocks: tuple[int, ...]) -> tuple[int, ...]:
+    # a block longer than its axis is the whole axis: views never pad past the axis
+    return tuple(d if 0 < d < b else b for d, b in zip(shape, blocks, strict=True))
 
 
 def _interleave(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
@@ -270,17 +275,17 @@ def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array
     An explicitly sharded ``x`` keeps each axis's mesh axes on its tile counts
     (whole tiles per shard; `jaxquant._shard_fit` checks that they fit).
     """
-    counts = layout.scale_shape(x.shape)
-    pad = [(0, n * b - d) for n, b, d in zip(counts, layout.block_size, x.shape, strict=True)]
+    counts, tiles = layout.scale_shape(x.shape), _lengths(x.shape, layout.block_size)
+    pad = [(0, n * b - d) for n, b, d in zip(counts, tiles, x.shape, strict=True)]
     if any(p for _, p in pad):
         x = jnp.pad(x, pad, constant_values=jnp.asarray(pad_value, x.dtype))
-    shape = _interleave(counts, layout.block_size)
+    shape = _interleave(counts, tiles)
     sharding = explicit_sharding(x)
     if sharding is None:
         return x.reshape(shape)
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
     sizes, placed = dict(sharding.mesh.shape), []
-    for names, n, b in zip(spec, counts, layout.block_size, strict=True):
+    for names, n, b in zip(spec, counts, tiles, strict=True):
         ways = math.prod(sizes[a] for a in (names if isinstance(names, tuple) else (names,))) \
             if names is not None else 1
         if n % ways == 0:
@@ -295,7 +300,8 @@ def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array
 
 def _to_blocks(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array:
     """``x`` viewed as ``(..., n_blocks, block_size, ...)``, padding a partial last block."""
-    a, n, bs = layout.axis, x.shape[layout.axis], layout.block_size
+    a, n = layout.axis, x.shape[layout.axis]
+    (bs,) = _lengths((n,), (layout.block_size,))
     nb = -(-n // bs)
     if nb * bs != n:
         pad = [(0, 0)] * x.ndim

@@ -73,3 +73,19 @@ def test_tiles_through_fake_quant_tree_and_checkpoint(tmp_path):
                                np.asarray(x @ tree["k"].dequantize()), rtol=1e-5)
     with pytest.raises(ValueError, match="tiled scales"):
         jq.qdot_general(x, back["k"], (((1,), (0,)), ((), ())), act_quant=jq.ActQuant())
+
+
+@pytest.mark.parametrize("block_size", [2**40, (2**40, 2**40), (3, 2**40)])
+def test_a_block_longer_than_its_axis_is_the_whole_axis_never_padded(block_size):
+    # one block spanning the axis: the same codes as a block of the axis' length, and no
+    # intermediate padded to the block's length (2**40 floats would not fit in memory)
+    x = jax.random.normal(jax.random.key(0), (8, 5))
+    whole = 5 if isinstance(block_size, int) else tuple(map(min, block_size, (8, 5)))
+    kw = dict(axis=1) if isinstance(block_size, int) else {}
+    q, ref = (jq.quantize(x, block_size=b, **kw) for b in (block_size, whole))
+    np.testing.assert_array_equal(q.qvalue, ref.qvalue)
+    np.testing.assert_array_equal(q.scale, ref.scale)
+    np.testing.assert_array_equal(jq.dequantize(q), jq.dequantize(ref))
+    fq = jax.jit(lambda x: jq.fake_quant(x, block_size=block_size, **kw))
+    np.testing.assert_array_equal(fq(x), jq.dequantize(ref))
+    assert str(2**40) not in str(jax.make_jaxpr(lambda q: jq.dequantize(q))(q))
