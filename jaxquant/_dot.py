@@ -29,6 +29,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxquant._args import as_array, as_dtype
 from jaxquant._granularity import normalize_axis
 from jaxquant._int_dot import ActQuant, check_int_operand, int_dot
 from jaxquant._qtensor import QTensor, check_consistent, is_qtensor
@@ -119,6 +120,8 @@ def promote_dtype(*args, dtype: DTypeLike | None = None, inexact: bool = True):
       (dtype('float32'), 'QTensor')
     """
     del inexact
+    if dtype is not None:
+        dtype = as_dtype(dtype, "dtype")
     as_tuple = len(args) == 1 and isinstance(args[0], tuple)
     items = args[0] if as_tuple else args
     if dtype is None:
@@ -179,8 +182,9 @@ def qdot_general(
       ``lax.dot_general``'s result: batch, then lhs free, then rhs free dims.
 
     Raises:
-      TypeError: a non-float array operand; ``act_quant`` not an `ActQuant`; a
-        dimension that is not an int; a QTensor holding no codes.
+      TypeError: a non-float (or not array-like) operand; ``act_quant`` not an
+        `ActQuant`; a dimension that is not an int; a QTensor holding no codes; a
+        ``preferred_element_type`` that is not a dtype.
       ValueError: bad ``dimension_numbers`` (malformed, out of range, or
         contracting or batch dimensions of different sizes); a QTensor whose
         leaves do not fit its metadata (stacked, outside ``vmap``); int8 path: a
@@ -201,7 +205,8 @@ def qdot_general(
     if not (_is_q(lhs) or _is_q(rhs)):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                out_sharding=out_sharding)
-    ops = [op if _is_q(op) else jnp.asarray(op) for op in (lhs, rhs)]
+    ops = [op if _is_q(op) else as_array(op, name)
+           for name, op in zip(_SIDES, (lhs, rhs), strict=True)]
     for name, op in zip(_SIDES, ops, strict=True):
         if _is_q(op):
             check_consistent(op, name)
@@ -210,7 +215,7 @@ def qdot_general(
                             f"{op.dtype}.")
     dims = _check_dims(dimension_numbers, (ops[0].shape, ops[1].shape))
     if preferred_element_type is not None:
-        preferred_element_type = np.dtype(preferred_element_type)
+        preferred_element_type = as_dtype(preferred_element_type, "preferred_element_type")
     if act_quant is not None:
         if not isinstance(act_quant, ActQuant):
             raise TypeError(f"act_quant must be None or a jaxquant.ActQuant, got "

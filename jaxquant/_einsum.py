@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from jax.typing import DTypeLike
 
+from jaxquant._args import as_array
 from jaxquant._dot import ActQuant, qdot_general
 from jaxquant._qtensor import is_qtensor
 
@@ -39,7 +40,8 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
       The einsum, its axes in the output letters' order.
 
     Raises:
-      TypeError: ``subscripts`` not a string.
+      TypeError: ``subscripts`` not a string; an operand that is not an array or a
+        `QTensor` (``None``, a string).
       ValueError: subscripts outside this two-operand form (named: the letter of
         one operand missing from the output, the output letter in neither
         operand), not matching the ranks, or a letter with different sizes in
@@ -60,12 +62,14 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
         raise ValueError(f"subscripts must look like 'ab,bc->ac' (two operands, letters only, "
                          f"no ellipsis), got {subscripts!r}.")
     a, b, out = m.groups()
+    lhs, rhs = (op if _is_q(op) else as_array(op, name)
+                for name, op in (("lhs", lhs), ("rhs", rhs)))
     if out is None:
         out = "".join(sorted(c for c in set(a + b) if (a + b).count(c) == 1))
     for name, s, op in (("lhs", a, lhs), ("rhs", b, rhs), ("output", out, None)):
         if len(set(s)) != len(s):
             raise ValueError(f"{name} subscripts {s!r} repeat a letter; not supported.")
-        ndim = None if op is None else op.ndim if _is_q(op) else jnp.ndim(op)
+        ndim = None if name == "output" else op.ndim
         if ndim is not None and len(s) != ndim:
             raise ValueError(f"{name} subscripts {s!r} name {len(s)} axes, but {name} has rank "
                              f"{ndim}.")
@@ -79,7 +83,7 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
     if unknown:
         raise ValueError(f"in {subscripts!r}, output letter {unknown[0]!r} occurs in neither "
                          f"operand.")
-    shapes = [op.shape if _is_q(op) else jnp.shape(op) for op in (lhs, rhs)]
+    shapes = [op.shape for op in (lhs, rhs)]
     for i, c in enumerate(a):
         if c in b and shapes[0][i] != shapes[1][b.index(c)]:
             raise ValueError(f"in {subscripts!r}, {c!r} has size {shapes[0][i]} in lhs but "

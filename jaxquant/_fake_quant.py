@@ -51,6 +51,7 @@ import ml_dtypes
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxquant._args import as_array
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import code_values
 from jaxquant._formats import Format
@@ -170,15 +171,14 @@ def fake_quant(
     else:
         if isinstance(scale, QTensor):
             scale = jax.lax.stop_gradient(scale_values_of(scale))
-        scale = jnp.asarray(scale)
+        scale = as_array(scale, "scale")
         if not jnp.issubdtype(scale.dtype, jnp.floating):
             raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
         layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
         scale = squeeze_tensor_scale(scale, layout)
     given_zero_point = zero_point is not None
     if zero_point is not None:
-        zero_point = jnp.asarray(zero_point)
-        zero_point = zero_point_like_scale(zero_point, scale)
+        zero_point = zero_point_like_scale(as_array(zero_point, "zero_point"), scale)
         if not (fmt.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)):
             check_zero_point(zero_point, fmt)
             zero_point = jax.lax.stop_gradient(zero_point)

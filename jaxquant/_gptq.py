@@ -27,7 +27,9 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxquant._args import as_array
 from jaxquant._formats import get_format
+from jaxquant._granularity import _is_int
 from jaxquant._qtensor import QTensor
 from jaxquant._quantize import check_flags, dequantize, quantize
 from jaxquant._rounding import exponent, pow2
@@ -57,11 +59,11 @@ def _check(w, hessian, axis, block_size, damp) -> tuple[int | None, int | None]:
         raise ValueError(f"damp must be a finite non-negative number, got {damp!r} (a "
                          f"static value: a Python or NumPy number, or a concrete 0-d array).")
     if block_size is None:
-        if isinstance(axis, bool) or axis not in (-1, 1):
+        if not _is_int(axis) or axis not in (-1, 1):
             raise ValueError(f"axis must be -1 or 1 (one scale per output channel) without "
                              f"block_size, or 0 with block_size; got axis={axis!r}.")
         return 1, None
-    if isinstance(axis, bool) or axis not in (0, -2):
+    if not _is_int(axis) or axis not in (0, -2):
         raise ValueError(f"with block_size, axis must be 0 or -2 (blocks of input rows), got "
                          f"axis={axis!r}.")
     if isinstance(block_size, bool) or not isinstance(block_size, int | np.integer) \
@@ -95,8 +97,9 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
       axis=axis, block_size=block_size, symmetric=symmetric)`` would be.
 
     Raises:
-      TypeError: ``hessian`` not a real (float or integer) array; ``symmetric`` or
-        ``act_order`` not a bool; an MX or NVFP4 scheme as ``dtype``.
+      TypeError: ``w`` or ``hessian`` not an array, ``hessian`` not real (float or
+        integer); ``symmetric`` or ``act_order`` not a bool; an MX or NVFP4 scheme as
+        ``dtype``.
       ValueError: ``w`` not a 2-D float array, ``hessian`` not ``(in, in)``, an axis or
         block size other than the ones above (codebooks need blocks), a negative or
         infinite ``damp``; a damped ``hessian`` that is not positive definite (singular,
@@ -113,7 +116,7 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
       >>> err(qt) < err(rtn)
       True
     """
-    w, hessian = jnp.asarray(w), jnp.asarray(hessian)
+    w, hessian = as_array(w, "w"), as_array(hessian, "hessian")
     check_flags(symmetric=symmetric, act_order=act_order)
     axis, block_size = _check(w, hessian, axis, block_size, damp)
     if isinstance(dtype, str) and dtype in SCHEMES and SCHEMES[dtype].scale_dtype is not None:

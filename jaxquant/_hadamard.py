@@ -30,6 +30,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
+from jaxquant._args import as_array
 from jaxquant._qtensor import is_qtensor
 
 __all__ = ["hadamard_transform"]
@@ -81,7 +82,7 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
       ``lax.Precision.HIGHEST`` and accumulate in at least float32.
 
     Raises:
-      TypeError: ``x`` is not a float array (a `QTensor` included).
+      TypeError: ``x`` is not a float array (a `QTensor`, ``None`` included).
       ValueError: ``axis`` out of range, or ``block_size`` not a power of two
         dividing the axis length.
 
@@ -97,7 +98,7 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
     if is_qtensor(x):
         raise TypeError("x must be a float array, got a jaxquant.QTensor; rotate the float "
                         "weights, then quantize them (or dequantize it first).")
-    x = jnp.asarray(x)
+    x = as_array(x, "x")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be a float array, got dtype {x.dtype}.")
     if not (_is_int(axis) and -x.ndim <= axis < x.ndim):

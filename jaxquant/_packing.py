@@ -27,6 +27,7 @@ import numpy as np
 from jax import lax
 from jax.typing import DTypeLike
 
+from jaxquant._args import as_array
 from jaxquant._formats import get_format
 from jaxquant._granularity import Layout, normalize_axis
 from jaxquant._shard_fit import check_shards_fit
@@ -38,7 +39,10 @@ _UNSIGNED = {2: jnp.uint2, 4: jnp.uint4}
 
 
 def _check_packable(dtype, argname: str) -> int:
-    fmt = get_format(dtype)
+    fmt = get_format(dtype, argname=argname)
+    if fmt.is_codebook:  # "nf4" names a table, not the uint4 storage dtype of its codes
+        raise TypeError(f"{argname}: codebook {fmt.name} codes are {fmt.dtype.name} indices; "
+                        f"pass {fmt.dtype.name}.")
     if fmt.bits not in (2, 4):
         raise TypeError(
             f"{argname}: only 2- and 4-bit formats are packed, got {fmt.name} ({fmt.bits} bits)."
@@ -138,13 +142,14 @@ def pack_bits(codes: jax.Array, axis: int = -1) -> jax.Array:
       A uint8 array of ``codes``'s shape except ``ceil(n * bits / 8)`` along ``axis``.
 
     Raises:
-      TypeError: if ``codes`` is not of a 2- or 4-bit format.
+      TypeError: if ``codes`` is not an array of a 2- or 4-bit format.
       ValueError: if ``axis`` is out of range.
 
     Example:
       >>> pack_bits(jnp.array([1, -1, 7], jnp.int4))
       Array([241,   7], dtype=uint8)
     """
+    codes = as_array(codes, "codes")
     bits = _check_packable(codes.dtype, "codes")
     if codes.ndim == 0:
         raise ValueError("codes must have at least one dimension to be packed, got a scalar.")
@@ -166,8 +171,8 @@ def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1
       The codes, of ``dtype``, bit for bit those that were packed.
 
     Raises:
-      TypeError: if ``packed`` is not uint8, ``dtype`` is not a 2- or 4-bit format or
-        ``length`` is not an int.
+      TypeError: if ``packed`` is not a uint8 array, ``dtype`` is not a 2- or 4-bit
+        format (a codebook name included) or ``length`` is not an int.
       ValueError: if ``packed`` is a scalar or ``length`` does not fit the packed size.
 
     Example:
@@ -175,6 +180,7 @@ def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1
       Array([1, -1, 7], dtype=int4)
     """
     bits = _check_packable(dtype, "dtype")
+    packed = as_array(packed, "packed")
     if packed.dtype != jnp.uint8:
         raise TypeError(f"packed must be a uint8 array, got dtype {packed.dtype}.")
     if packed.ndim == 0:
@@ -283,8 +289,8 @@ def pack(x, axis: int = -1):
       as ``qvalue`` (``dequantize`` unpacks it).
 
     Raises:
-      TypeError: for formats wider than 4 bits (6-bit float6 QTensors are packed
-        four codes per three bytes).
+      TypeError: ``x`` not an array, or of a format wider than 4 bits (6-bit float6
+        QTensors are packed four codes per three bytes).
       ValueError: for a scalar, ``axis`` out of range, or codes explicitly sharded
         along ``axis`` so that a byte would straddle two devices.
 
@@ -305,7 +311,7 @@ def pack(x, axis: int = -1):
             return dataclasses.replace(x, qvalue=PackedArray(data, np.dtype(x.qvalue.dtype),
                                                              tuple(x.shape), a, 6))
         return dataclasses.replace(x, qvalue=pack(x.qvalue, axis))
-    x = jnp.asarray(x)
+    x = as_array(x, "x")
     if x.ndim:
         check_shards_fit(x, Layout("tensor"), 8 // math.gcd(8, _check_packable(x.dtype, "codes")),
                          pack_axis=normalize_axis(axis, x.ndim), name="codes",

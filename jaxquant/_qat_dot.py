@@ -57,6 +57,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxquant._args import as_array, as_dtype
 from jaxquant._barriers import int_dot_general
 from jaxquant._dot import _check_dims
 from jaxquant._fake_quant import fake_quant
@@ -74,7 +75,7 @@ from jaxquant._int_dot import (
     to_output,
 )
 from jaxquant._qtensor import is_qtensor
-from jaxquant._quantize import quantize
+from jaxquant._quantize import check_flags, quantize
 from jaxquant._rounding import divide, round_to_codes
 from jaxquant._scales import scale_from_range
 from jaxquant._tree import QuantSpec
@@ -160,11 +161,7 @@ def _qat_dot_bwd(cfg: _Config, residuals, g):
         (dx,) = jax.linear_transpose(lambda a: _float_dot(cfg, a, fq_w), x)(g)
         return dx, dw
 
-    def cpu(x, w, g):
-        # A conditional's operands are materialized: the backward reads the int8 codes.
-        # Without it XLA:CPU recomputes the dequantized values from the float quotients
-        # x / s of the forward pass, which it then keeps in memory in full (a quotient
-        # pass more, and 4x the bytes of the codes). The branches are the same.
+    def cpu(x, w, g):  # reads the int8 codes (see the module docstring)
         return lax.cond(moot_predicate(w[1]), grads, grads, x, w, g)
 
     return lax.platform_dependent(x, w, g, cpu=cpu, default=grads)
@@ -227,9 +224,13 @@ def _run(lhs, rhs, cfg: _Config, fake: bool):
 def _check_weight(weight, rhs_ndim: int, rhs_contract: tuple) -> QuantSpec:
     if not isinstance(weight, QuantSpec):
         raise TypeError(f"weight must be a jaxquant.QuantSpec, got {type(weight).__name__}.")
-    if weight.dtype != np.dtype(jnp.int8):
+    if weight.dtype != np.dtype(jnp.int8):  # a scheme name ("mxint8") is a str
         raise ValueError(f"weight must quantize to int8 (the int8 x int8 -> int32 dot), got "
-                         f"dtype={weight.dtype.name}.")
+                         f"dtype={getattr(weight.dtype, 'name', weight.dtype)}.")
+    if weight.double_quant or weight.scale_dtype is not None or type(weight.block_size) is tuple:
+        raise ValueError(f"weight must have float32 scales per tensor, axis or block (the int8 "
+                         f"dot scales its sums with them), got block_size={weight.block_size}, "
+                         f"scale_dtype={weight.scale_dtype}, double_quant={weight.double_quant}.")
     if not weight.symmetric:
         raise ValueError("weight must be symmetric (symmetric=True): the int8 dot takes codes "
                          "without a zero point; got symmetric=False.")
@@ -302,12 +303,14 @@ def qat_dot_general(
       The ``lax.dot_general`` result: batch, then lhs free, then rhs free dims.
 
     Raises:
-      TypeError: a `QTensor` or non-float operand, operands of different
-        dtypes, ``weight`` not a `QuantSpec`, ``act`` not an `ActQuant`.
-      ValueError: bad ``dimension_numbers``; ``weight`` not int8, not
-        symmetric, or with a scale varying along the contraction; an integer
-        ``preferred_element_type``; an unknown ``backward``, or ``"int8"``
-        without the int8 forward path (``act=None``, a blocked weight, ``fake``).
+      TypeError: a `QTensor` or non-float operand, operands of different dtypes,
+        ``weight`` not a `QuantSpec`, ``act`` not an `ActQuant`, ``fake`` not a
+        bool, a ``preferred_element_type`` that is not a dtype.
+      ValueError: bad ``dimension_numbers``; ``weight`` not int8, not symmetric,
+        tiled, with a ``scale_dtype`` or ``double_quant``, or with a scale varying
+        along the contraction; an integer ``preferred_element_type``; an unknown
+        ``backward``, or ``"int8"`` without the int8 forward path (``act=None``, a
+        blocked weight, ``fake``).
 
     Example:
       >>> import jax, jaxquant as jq
@@ -322,13 +325,14 @@ def qat_dot_general(
       >>> jax.grad(lambda w: qat_dot_general(x, w, dims).sum())(w).T  # STE: fq(x)^T . 1
       Array([[ 1.        , -0.2992126 ,  0.19685039]], dtype=float32)
     """
+    check_flags(fake=fake)
     ops = []
     for name, op in zip(_SIDES, (lhs, rhs), strict=True):
         if is_qtensor(op):
             raise TypeError(f"{name} must be a float array, got a jaxquant.QTensor; "
                             f"qat_dot_general quantizes float operands (for QTensor weights "
                             f"use jaxquant.qdot_general).")
-        op = jnp.asarray(op)
+        op = as_array(op, name)
         if not jnp.issubdtype(op.dtype, jnp.floating):
             raise TypeError(f"{name} must be a float array, got dtype {op.dtype}.")
         ops.append(op)
@@ -341,7 +345,7 @@ def qat_dot_general(
         raise TypeError(f"act must be None or a jaxquant.ActQuant, got {type(act).__name__}.")
     out_dtype = ops[0].dtype
     if preferred_element_type is not None:
-        out_dtype = np.dtype(preferred_element_type)
+        out_dtype = as_dtype(preferred_element_type, "preferred_element_type")
         if not jnp.issubdtype(out_dtype, jnp.floating):
             raise ValueError(f"preferred_element_type must be a float dtype (the int32 sums "
                              f"are scaled), got {out_dtype}.")

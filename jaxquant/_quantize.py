@@ -18,6 +18,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
+from jaxquant._args import as_array
 from jaxquant._codebooks import decode
 from jaxquant._formats import Format, value_dtype
 from jaxquant._granularity import (
@@ -48,7 +49,7 @@ def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
     """``x`` as a JAX array, or a TypeError if it is not floating point."""
     dt = getattr(x, "dtype", None)
     if dt is None:
-        x = jnp.asarray(x)
+        x = as_array(x, argname)
         dt = x.dtype
     if not jnp.issubdtype(dt, jnp.floating):
         raise TypeError(
@@ -61,7 +62,7 @@ def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
 def _as_scale(scale: ArrayLike, argname: str = "scale") -> jax.Array:
     if isinstance(scale, QTensor):
         return scale
-    scale = jnp.asarray(scale)
+    scale = as_array(scale, argname)
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise TypeError(f"{argname} must be a float array, got dtype {scale.dtype}.")
     return scale
@@ -151,7 +152,8 @@ def quantize(
       A `QTensor` whose ``dtype`` is ``x``'s dtype.
 
     Raises:
-      TypeError: non-float ``x`` or ``scale``, unknown format or scale dtype,
+      TypeError: non-float ``x`` or ``scale``, an argument that is not an array
+        (``None``, a string), unknown format or scale dtype,
         zero point of another dtype, a ``key`` that is not one PRNG key.
       ValueError: scale/zero-point shape fits no layout, ``axis`` out of range,
         ``packed`` for an 8-bit or wider format or a scalar ``x``,
@@ -193,8 +195,7 @@ def quantize(
     layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
     scale = squeeze_tensor_scale(scale, layout)
     if zero_point is not None:
-        zero_point = jnp.asarray(zero_point)
-        zero_point = zero_point_like_scale(zero_point, scale)
+        zero_point = zero_point_like_scale(as_array(zero_point, "zero_point"), scale)
         check_zero_point(zero_point, fmt)
     check_shards_fit(x, layout, 8 // math.gcd(8, fmt.bits) if packed else None)
     return _quantize_explicit(x, scale, zero_point, fmt, layout, bool(saturate), packed, key)

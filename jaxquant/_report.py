@@ -229,6 +229,9 @@ def format_report(rows: list[LeafReport]) -> str:
       The table: one line per leaf, then the total of bytes before and after
       and their ratio.
 
+    Raises:
+      TypeError: ``rows`` is not a list or tuple of `LeafReport`.
+
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
       >>> params = {"w": jnp.linspace(-1.0, 1.0, 4096).reshape(64, 64), "b": jnp.ones(64)}
@@ -240,6 +243,9 @@ def format_report(rows: list[LeafReport]) -> str:
       --------------------------------------------------------------------------------------
       total                                          16,640  4,608  0.277
     """
+    if not (isinstance(rows, list | tuple) and all(isinstance(r, LeafReport) for r in rows)):
+        raise TypeError(f"rows must be a list of LeafReport, as quantization_report returns; "
+                        f"got {type(rows).__name__} {rows!r:.80}.")
     head = ("path", "shape", "format", "granularity", "dtype", "before", "after", "ratio",
             "SQNR dB", "max err")
     cells = [(r.path, str(r.shape), r.format, r.granularity, r.dtype, f"{r.nbytes_before:,}",

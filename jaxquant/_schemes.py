@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxquant._args import as_dtype
 from jaxquant._formats import Format, get_format
 
 __all__ = ["Scheme", "SCHEMES", "resolve", "format_name"]
@@ -90,7 +91,7 @@ def resolve(dtype, axis, block_size, scale_dtype, explicit: bool = False) -> Res
     their block length.
 
     Raises:
-      TypeError: unknown format.
+      TypeError: unknown format, a ``scale_dtype`` that is not a dtype.
       ValueError: a block length or scale dtype that contradicts a scheme.
     """
     name = dtype if isinstance(dtype, str) else None
@@ -102,14 +103,14 @@ def resolve(dtype, axis, block_size, scale_dtype, explicit: bool = False) -> Res
                          f"block_size={block_size!r} (use the element dtype "
                          f"{scheme.element!r} with scale_dtype for other blocks).")
     if scheme.scale_dtype and scale_dtype is not None \
-            and np.dtype(scale_dtype) != np.dtype(scheme.scale_dtype):
+            and as_dtype(scale_dtype, "scale_dtype") != np.dtype(scheme.scale_dtype):
         raise ValueError(f"{name} stores its scales as {scheme.scale_dtype}; got "
                          f"scale_dtype={np.dtype(scale_dtype).name}.")
     if explicit and not scheme.fixed_block:
         return Resolved(get_format(scheme.element), axis, block_size, scale_dtype)
     fmt = get_format(scheme.element if scheme.element in ("nf4", "fp4") or
                      scheme.element.startswith("float6") else jnp.dtype(scheme.element))
-    tiles = isinstance(block_size, tuple)  # codebooks: tiles over every axis, no axis
+    tiles = isinstance(block_size, tuple | list)  # codebooks: tiles over every axis, no axis
     return Resolved(fmt, axis if tiles or axis is not None else -1,
                     scheme.block_size if block_size is None else block_size,
                     scheme.scale_dtype if scale_dtype is None else scale_dtype)
@@ -126,6 +127,9 @@ def format_name(qt) -> str:
       has (``"nf4"``, ``"mxfp8_e4m3"``, ``"nvfp4"``, ...), otherwise the name of its code
       format (``"int8"``, ``"float8_e4m3fn"``, ...).
 
+    Raises:
+      TypeError: ``qt`` is not a `QTensor`.
+
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
       >>> format_name(jq.quantize(jnp.ones((2, 32)), dtype="mxfp4"))
@@ -135,6 +139,8 @@ def format_name(qt) -> str:
     """
     from jaxquant._qtensor import is_qtensor
 
+    if not is_qtensor(qt):
+        raise TypeError(f"qt must be a jaxquant.QTensor, got {type(qt).__name__}.")
     scale = qt.scale
     scale_dtype = (scale.qvalue if is_qtensor(scale) else scale).dtype
     second = is_qtensor(scale) and scale.layout.kind == "tensor"

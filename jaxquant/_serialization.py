@@ -238,6 +238,9 @@ def encode(tree: Any, *, to_host: bool,
 
 def header_metadata(header: dict, metadata: dict[str, str] | None) -> dict[str, str]:
     """The ``__metadata__`` strings: the user's, the header JSON, and a CRC-32 of both."""
+    if not isinstance(metadata, dict | None):
+        raise TypeError(f"metadata must be a dict of str to str or None, got "
+                        f"{type(metadata).__name__}.")
     meta = dict(metadata or {})
     for k, v in meta.items():
         if not (isinstance(k, str) and isinstance(v, str)):

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxquant._args import as_dtype
 from jaxquant._formats import CODEBOOKS, get_format
 from jaxquant._granularity import _is_int
 from jaxquant._packing import PackedArray
@@ -95,7 +96,7 @@ class QuantSpec:
         object.__setattr__(self, "block_size", tuple(map(as_int, b))
                            if isinstance(b, list | tuple) else as_int(b))
         if self.scale_dtype is not None:
-            object.__setattr__(self, "scale_dtype", np.dtype(self.scale_dtype))
+            object.__setattr__(self, "scale_dtype", as_dtype(self.scale_dtype, "scale_dtype"))
         r = resolve(self.dtype, self.axis, self.block_size, self.scale_dtype)
         if isinstance(r.block_size, tuple):
             for b in r.block_size:

@@ -1,0 +1,140 @@
+"""Argument validation of the public functions: bad input gets a TypeError/ValueError at trace
+time that names the argument, never an internal error (AttributeError, IndexError, NumPy's
+"data type not understood") or a silently wrong result.
+
+Regressions found by fuzzing every public function's arguments with wrong types.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+X = jnp.linspace(-2.0, 2.0, 4 * 64, dtype=jnp.float32).reshape(4, 64)
+W = jnp.linspace(-1.0, 1.0, 64 * 8, dtype=jnp.float32).reshape(64, 8)
+QW = jq.quantize(W, axis=1)
+DIMS = (((1,), (0,)), ((), ()))
+ONE = jnp.float32(0.5)
+
+
+# ----------------------------------------------------------------------------- arrays
+
+@pytest.mark.parametrize("call, argname", [
+    (lambda: jq.quantize(None), "x"),
+    (lambda: jq.quantize(X, "a"), "scale"),
+    (lambda: jq.quantize(X, ONE, "0"), "zero_point"),
+    (lambda: jq.fake_quant(None), "x"),
+    (lambda: jq.fake_quant(X, "a"), "scale"),
+    (lambda: jq.fake_quant(X, ONE, "0"), "zero_point"),
+    (lambda: jq.hadamard_transform(None), "x"),
+    (lambda: jq.gptq(None, jnp.eye(64)), "w"),
+    (lambda: jq.gptq(W, "h"), "hessian"),
+    (lambda: jq.qdot_general(None, QW, DIMS), "lhs"),
+    (lambda: jq.qdot_general(QW, "r", (((0,), (0,)), ((), ()))), "rhs"),
+    (lambda: jq.qeinsum("ab,bc->ac", None, QW), "lhs"),  # was IndexError
+    (lambda: jq.qeinsum("ab,bc->ac", X, None), "rhs"),
+    (lambda: jq.qat_dot_general(None, W, DIMS), "lhs"),
+    (lambda: jq.pack(None), "x"),
+    (lambda: jq.pack_bits(None), "codes"),  # was AttributeError
+    (lambda: jq.pack_bits([1, 2]), "codes"),
+    (lambda: jq.unpack_bits(None, jnp.int4, 3), "packed"),  # was AttributeError
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_non_arrays_are_type_errors_naming_the_argument(call, argname):
+    with pytest.raises(TypeError, match=rf"^{argname}\b"):
+        call()
+
+
+# ----------------------------------------------------------------------------- dtypes
+
+@pytest.mark.parametrize("call, argname", [
+    (lambda: jq.quantize(X, dtype="mxfp4", scale_dtype="foo"), "scale_dtype"),
+    (lambda: jq.fake_quant(X, dtype="nvfp4", scale_dtype=3), "scale_dtype"),
+    (lambda: jq.QuantSpec(scale_dtype="foo"), "scale_dtype"),
+    (lambda: jq.QuantSpec(scale_dtype=3), "scale_dtype"),
+    (lambda: jq.qdot_general(X, QW, DIMS, None, "foo"), "preferred_element_type"),
+    (lambda: jq.qdot_general(X, QW, DIMS, None, True, act_quant=jq.ActQuant()),
+     "preferred_element_type"),
+    (lambda: jax.jit(lambda x: jq.qdot_general(x, QW, DIMS, None, "foo"))(X),
+     "preferred_element_type"),
+    (lambda: jq.qeinsum("ab,bc->ac", X, QW, preferred_element_type="foo"),
+     "preferred_element_type"),
+    (lambda: jq.qat_dot_general(X, W, DIMS, None, "foo"), "preferred_element_type"),
+    (lambda: jq.promote_dtype(X, dtype="foo"), "dtype"),
+    (lambda: jq.unpack_bits(jnp.zeros(2, jnp.uint8), "nf4", 3), "dtype"),  # a codebook name
+    (lambda: jq.pack_bits(jnp.ones(3)), "codes"),  # said "dtype must be one of ..."
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_dtypes_are_type_errors_naming_the_argument(call, argname):
+    with pytest.raises(TypeError, match=rf"^{argname}\b"):
+        call()
+
+
+# ----------------------------------------------------------------------------- records
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: jq.format_name(None), "qt"),  # was AttributeError
+    (lambda: jq.format_name(X), "qt"),
+    (lambda: jq.format_report(None), "rows"),  # was "'NoneType' object is not iterable"
+    (lambda: jq.format_report("ab"), "rows"),  # was AttributeError
+    (lambda: jq.format_report([1]), "rows"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_non_records_are_type_errors_naming_the_argument(call, match):
+    with pytest.raises(TypeError, match=rf"^{match}\b"):
+        call()
+
+
+@pytest.mark.parametrize("metadata", [3, "ab", [("a", "b")]])
+def test_save_safetensors_metadata_must_be_a_dict(tmp_path, metadata):
+    # was "'int' object is not iterable" / dict("ab")'s ValueError / a list taken as a dict
+    with pytest.raises(TypeError, match=r"^metadata must be a dict"):
+        jq.save_safetensors(tmp_path / "m.safetensors", {"a": X}, metadata=metadata)
+    assert not list(tmp_path.iterdir())
+
+
+# ----------------------------------------------------------------------------- qat_dot_general
+
+@pytest.mark.parametrize("spec", [
+    jq.QuantSpec(dtype="mxint8"),  # was AttributeError: 'str' object has no attribute 'name'
+    jq.QuantSpec(block_size=(16, 8), axis=None),  # was "'>' not supported between tuple, int"
+    jq.QuantSpec(scale_dtype=jnp.bfloat16),  # was ignored: float32 scales, silently
+    jq.QuantSpec(axis=0, block_size=16, double_quant=True),  # was ignored silently
+], ids=["scheme", "tiles", "bf16-scales", "double-quant"])
+@pytest.mark.parametrize("fake", [False, True])
+def test_qat_weight_specs_the_int8_dot_cannot_honour_are_refused(spec, fake):
+    with pytest.raises(ValueError, match=r"^weight must"):
+        jq.qat_dot_general(X, W, DIMS, weight=spec, fake=fake)
+    with pytest.raises(ValueError, match=r"^weight must"):
+        jq.QATDotGeneral(weight=spec, fake=fake)(X, W, DIMS)
+
+
+@pytest.mark.parametrize("fake", ["no", None, 0, 1])
+def test_qat_fake_must_be_a_bool(fake):
+    # "no" was read as True: the fake-quant graph ran instead of the int8 dot
+    with pytest.raises(TypeError, match=r"^fake must be a bool"):
+        jq.qat_dot_general(X, W, DIMS, fake=fake)
+
+
+# ----------------------------------------------------------------------------- gptq, schemes
+
+@pytest.mark.parametrize("kw", [dict(axis=1.0), dict(axis=-1.0), dict(axis=0.0, block_size=16)])
+def test_gptq_axis_must_be_an_int(kw):
+    # a float axis was accepted as the int it equals
+    x = jnp.linspace(-1.0, 1.0, 128 * 64).reshape(128, 64)
+    with pytest.raises(ValueError, match=r"axis"):
+        jq.gptq(W, x.T @ x, **kw)
+
+
+@pytest.mark.parametrize("dtype", ["nf4", "fp4"])
+def test_codebook_scheme_takes_a_list_of_tile_lengths_as_a_tuple(dtype):
+    # quantize/QuantSpec accept a list of tile lengths; for the "nf4"/"fp4" schemes a list
+    # became axis=-1 and "a tuple block_size gives a tile along every axis, so axis must be
+    # None; got axis=-1" for an axis the caller never passed
+    want = jq.quantize(X, dtype=dtype, block_size=(2, 32))
+    for got in (jq.quantize(X, dtype=dtype, block_size=[2, 32]),
+                jax.jit(lambda x: jq.quantize(x, dtype=dtype, block_size=[2, 32]))(X)):
+        np.testing.assert_array_equal(np.asarray(got.qvalue), np.asarray(want.qvalue))
+        np.testing.assert_array_equal(np.asarray(got.scale), np.asarray(want.scale))
+    np.testing.assert_array_equal(
+        np.asarray(jq.fake_quant(X, dtype=dtype, block_size=[2, 32])),
+        np.asarray(jq.dequantize(want)))
