@@ -55,6 +55,7 @@ from jaxquant._observers import (
     _check_real,
     _observer,
     _range_state,
+    _sharded_as,
     _state_range,
 )
 from jaxquant._progress import progress_bar
@@ -67,13 +68,13 @@ _F32 = jnp.float32
 
 @functools.partial(jax.jit, static_argnames=("layout",))
 def _minmax_update(state, x, layout):
-    lo, hi = _batch_range(x, layout)
+    lo, hi = _batch_range(x, layout, state)
     return RangeState(jnp.minimum(state.min, lo), jnp.maximum(state.max, hi), state.count + 1)
 
 
 @functools.partial(jax.jit, static_argnames=("layout", "constant"))
 def _moving_average_update(state, x, layout, constant):
-    lo, hi = _batch_range(x, layout)
+    lo, hi = _batch_range(x, layout, state)
     c, first = _F32(constant), state.count == 0
     # PyTorch: min + c * (batch_min - min), the product rounded before the sum.
     new_lo = jnp.where(first, lo, state.min + no_fma(c * (lo - state.min)))
@@ -83,10 +84,11 @@ def _moving_average_update(state, x, layout, constant):
 
 @functools.partial(jax.jit, static_argnames=("layout",))
 def _histogram_update(state, x, layout):
-    x = x.astype(_F32)
+    x = _sharded_as(x.astype(_F32))  # one histogram of the whole (gathered) batch
     rows = x.reshape(1, -1) if layout.axis is None else jnp.moveaxis(x, layout.axis, 0)
-    new = _histogram.update(_histogram.as_rows(state), rows.reshape(rows.shape[0], -1))
-    return jax.tree.map(lambda a, b: a.reshape(b.shape), new, state)
+    rows_state = _histogram.as_rows(jax.tree.map(_sharded_as, state))
+    new = _histogram.update(rows_state, rows.reshape(rows.shape[0], -1))
+    return jax.tree.map(lambda a, b: _sharded_as(a.reshape(b.shape), b), new, state)
 
 
 def minmax(*, axis: int | None = None) -> Observer:
@@ -106,8 +108,9 @@ def minmax(*, axis: int | None = None) -> Observer:
     Raises:
       ValueError: (from ``init``/``update``) ``axis`` out of range, or a batch
         whose length along ``axis`` differs from the state's.
-      TypeError: (from ``update``) a non-float batch; (from ``update`` and
-        ``compute``) a state that is not a `RangeState`.
+      TypeError: (from ``update``) a non-float batch, or a tuple or list of
+        arrays; (from ``update`` and ``compute``) a state that is not a
+        `RangeState`, or one with integer ranges or a float count.
 
     Example:
       >>> import jax.numpy as jnp
@@ -199,7 +202,8 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
       integer ``dtype`` (the search assumes evenly spaced levels).
 
     Raises:
-      TypeError: ``bins`` not an int; a state that is not a `HistogramState`.
+      TypeError: ``bins`` not an int; a state that is not a `HistogramState`
+        or has integer counts; from ``update`` as `minmax`.
       ValueError: ``bins <= 0``; from ``compute``, a float format; from
         ``init``/``update`` as `minmax`; from ``update``/``compute``, a state
         of other ``bins`` (as PyTorch).
@@ -317,7 +321,8 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
     Args:
       observer: an `Observer`.
       batches: an iterable (a list, a generator, a data loader) of JAX or NumPy
-        arrays, or of what ``numpy.asarray`` takes (CPU ``torch.Tensor`` batches).
+        arrays, or of what ``numpy.asarray`` takes (``torch.Tensor`` batches, bfloat16
+        ones included); arrays sharded on a mesh are observed whole.
       state: a state to continue from; default ``observer.init(first_batch)``.
       progress: show a ``tqdm`` progress bar when tqdm is installed (it is
         optional; without it nothing is shown).
@@ -326,7 +331,10 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
       The state after the last batch; pass it to ``observer.compute``.
 
     Raises:
-      TypeError: ``batches`` is a single array (wrap it in a list: ``[x]``).
+      TypeError: ``observer`` is not an `Observer` (an observer factory not called,
+        ``minmax`` for ``minmax()``); ``batches`` is not iterable or is a single
+        array (wrap it in a list: ``[x]``); from ``observer.update``, a batch that
+        is a tuple or list of arrays (a data loader's ``(inputs, labels)``).
       ValueError: no batches and no ``state``.
 
     Example:
@@ -336,6 +344,14 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
       >>> float(state.max), int(state.count)
       (2.0, 3)
     """
+    if not (callable(getattr(observer, "init", None))
+            and callable(getattr(observer, "update", None))):
+        hint = " (call it: minmax())" if callable(observer) else ""
+        raise TypeError(f"observer must be an Observer, as minmax() returns, got "
+                        f"{observer!r}{hint}.")
+    if not isinstance(batches, Iterable):
+        raise TypeError(f"batches must be an iterable of arrays, got "
+                        f"{type(batches).__name__}.")
     if hasattr(batches, "__array__"):  # a NumPy or JAX array, not a list of them
         raise TypeError(f"batches must be an iterable of arrays, got a single array of shape "
                         f"{jnp.shape(batches)} (iterating it would observe its rows one by "

@@ -20,7 +20,7 @@ import numpy as np
 from jax.typing import ArrayLike
 
 from jaxquant._formats import get_format
-from jaxquant._granularity import group_reduce, layout_from_args
+from jaxquant._granularity import explicit_sharding, group_reduce, layout_from_args
 from jaxquant._quantize import as_float_input, check_flags
 from jaxquant._scales import scale_from_range
 
@@ -44,8 +44,9 @@ class Observer(NamedTuple):
         dtype=dtype, axis=axis)``.
 
     ``update`` and ``compute`` raise ``TypeError`` for a state that is not
-    the observer's own (a `RangeState` or a `HistogramState`), and
-    ``ValueError`` for one of other shapes (a histogram of other ``bins``).
+    the observer's own (a `RangeState` or a `HistogramState`) or has fields of
+    another kind (integer counts of a histogram), and ``ValueError`` for one of
+    other shapes (a histogram of other ``bins``).
     """
 
     init: Callable[[Any], Any]
@@ -78,9 +79,20 @@ def _qparams(lo, hi, fmt, symmetric):
     return jnp.where(jnp.isnan(lo) | jnp.isnan(hi), _F32(jnp.nan), scale), zero_point
 
 
-def _batch_range(x, layout):
-    x = x.astype(_F32)
-    return group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max)
+def _sharded_as(a, like=None):
+    """``a`` sharded as ``like`` is on explicit mesh axes, else replicated (``like=None``
+    too): a state keeps its sharding (the user's, else none) through ``update``; JAX's
+    selects and reshapes reject operands sharded unlike."""
+    want = None if like is None else explicit_sharding(like)
+    if want is None and explicit_sharding(a) is not None:
+        want = explicit_sharding(a).update(spec=jax.sharding.PartitionSpec())
+    return a if want is None else jax.sharding.reshard(a, want)
+
+
+def _batch_range(x, layout, state):
+    x = x.astype(_F32)  # each device reduces its shard; the (small) ranges are gathered
+    return (_sharded_as(group_reduce(x, layout, jnp.min), state.min),
+            _sharded_as(group_reduce(x, layout, jnp.max), state.max))
 
 
 def _check_state(state: Any, state_type: type) -> None:
@@ -93,16 +105,24 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range,
               state_type: type) -> Observer:
     """An `Observer` from a state maker, a jitted update, a range chooser and the state type."""
     @functools.lru_cache(maxsize=8)
-    def shapes(groups):  # the shapes of make_state(groups)'s fields
-        return tuple(a.shape for a in jax.eval_shape(functools.partial(make_state, groups)))
+    def shapes(groups):  # the shapes and dtypes of make_state(groups)'s fields
+        return tuple((a.shape, a.dtype)
+                     for a in jax.eval_shape(functools.partial(make_state, groups)))
 
     def check_fields(state):  # e.g. a histogram of other bins, as PyTorch refuses
         groups = jnp.shape(state.min)
-        for name, field, want in zip(state._fields, state, shapes(groups), strict=True):
+        for name, field, (want, dtype) in zip(state._fields, state, shapes(groups),
+                                              strict=True):
             if jnp.shape(field) != want:
                 raise ValueError(f"state.{name} must have shape {want} for this observer with "
                                  f"ranges of shape {groups}, got {jnp.shape(field)}; init the "
                                  f"state with this observer.")
+            floating = jnp.issubdtype(dtype, jnp.floating)
+            if not jnp.issubdtype(jnp.result_type(field), jnp.floating if floating
+                                  else jnp.integer):
+                raise TypeError(f"state.{name} must be {'a float' if floating else 'an integer'}"
+                                f" array ({dtype.name} from this observer's init), got dtype "
+                                f"{jnp.result_type(field)}.")
 
     def init(x_like):
         shape = getattr(x_like, "shape", None)
@@ -111,9 +131,7 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range,
 
     def update(state, x):
         _check_state(state, state_type)
-        if not isinstance(x, jax.Array | np.ndarray) and hasattr(x, "__array__"):
-            x = np.asarray(x)  # a data loader's batch, e.g. a torch.Tensor
-        x = as_float_input(x)
+        x = _as_batch(x)
         layout = layout_from_args(x.shape, axis, None)
         got, expected = layout.scale_shape(x.shape), jnp.shape(state.min)
         if got != expected:
@@ -131,10 +149,27 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range,
         if not symmetric and not fmt.is_integer:
             raise ValueError(f"symmetric=False needs an integer format; {fmt.name} has no "
                              f"zero point.")
-        lo, hi = clip_range(state, fmt, bool(symmetric))
+        lo, hi = clip_range(jax.tree.map(_sharded_as, state), fmt, bool(symmetric))
         return _qparams(lo, hi, fmt, bool(symmetric))  # a Format: codebooks keep their table
 
     return Observer(init, update, compute)
+
+
+def _as_batch(x: Any) -> jax.Array:
+    """A batch as a float array; a data loader's ``torch.Tensor`` (bfloat16 or requiring
+    grad too) through NumPy or DLPack. A tuple or list of arrays (a data loader's
+    ``(inputs, labels)``) is a TypeError: stacked, it would observe the labels."""
+    if isinstance(x, tuple | list) and any(len(getattr(v, "shape", ())) for v in x):
+        raise TypeError(f"x must be one array, got a {type(x).__name__} of {len(x)} arrays "
+                        f"(a data loader's (inputs, labels)? pass the inputs, e.g. "
+                        f"(b[0] for b in loader); samples of one batch: stack them).")
+    if not isinstance(x, jax.Array | np.ndarray) and hasattr(x, "__array__"):
+        x = x.detach() if hasattr(x, "detach") else x  # a torch.Tensor: observed only
+        try:
+            x = np.asarray(x)
+        except (TypeError, RuntimeError):  # a dtype NumPy lacks (torch.bfloat16)
+            x = np.asarray(jnp.from_dlpack(x))
+    return as_float_input(x)
 
 
 def _range_state(groups):
