@@ -356,8 +356,7 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
         raise TypeError(f"batches must be an iterable of arrays, got a single array of shape "
                         f"{jnp.shape(batches)} (iterating it would observe its rows one by "
                         f"one); pass [x] for one batch.")
-    if progress:
-        batches = progress_bar(batches, desc="calibrating", unit="batch")
+    batches = progress_bar(batches, enabled=progress, desc="calibrating", unit="batch")
     for x in batches:
         if state is None:
             state = observer.init(x)

@@ -40,8 +40,8 @@ __all__ = ["save_safetensors", "load_safetensors", "save_orbax", "load_orbax"]
 def _save_bar(tree: Any, progress: bool):
     """The bar of a save, over the tensors that `encode` stores: one per array, `PackedArray`
     and QTensor field (qvalue, scale, zero point; those of a QTensor scale too)."""
-    if not progress:
-        return progress_bar(enabled=False)
+    if progress is not True:
+        return progress_bar(enabled=progress)  # silent, or a TypeError naming progress
     total = len(jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, PackedArray)))
     return progress_bar(total=total, desc="saving", unit="tensor")
 

@@ -53,6 +53,9 @@ def progress_bar(iterable: Iterable | None = None, *, enabled: bool = True,
       desc: the label in front of the bar.
       unit: what one step is (``"tensor"``, ``"batch"``...).
 
+    Raises:
+      TypeError: ``enabled`` (a caller's ``progress`` argument) not a bool.
+
     Returns:
       A ``tqdm`` instance, or an object with the same ``__iter__``, ``update``,
       ``set_postfix_str``, ``close`` and context-manager methods that does nothing
@@ -64,6 +67,8 @@ def progress_bar(iterable: Iterable | None = None, *, enabled: bool = True,
       [1, 2, 3]
       >>> bar.update(); bar.close()
     """
+    if not isinstance(enabled, bool):  # progress="no" would draw a bar
+        raise TypeError(f"progress must be a bool (True or False), got {enabled!r}.")
     if enabled and sys.stderr is not None:  # None: stderr closed (``2>&-``), nowhere to draw
         try:
             from tqdm import tqdm

@@ -323,8 +323,8 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
     specs = [None if is_record(leaf) else _select(path_str(path), leaf, checked)[0]
              for path, leaf in flat]
     traced = any(isinstance(leaf, jax.core.Tracer) for _, leaf in flat)
-    bar = progress_bar(enabled=progress and not traced, total=sum(s is not None for s in specs),
-                       desc="quantize", unit="tensor")
+    bar = progress_bar(enabled=progress if not traced else False, desc="quantize",
+                       total=sum(s is not None for s in specs), unit="tensor")
     out = []
     with bar:
         for (path, leaf), spec in zip(flat, specs, strict=True):

@@ -211,3 +211,21 @@ def test_quantize_tree_bar_over_quantized_leaves(capsys):
         assert jax.tree.structure(quiet[k]) == jax.tree.structure(loud[k])
     jax.jit(lambda t: jq.quantize_tree(t, progress=True))(tree)  # traced: nothing to show
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("call", ["quantize_tree", "save_safetensors", "load_safetensors",
+                                  "calibrate"])
+def test_progress_that_is_not_a_bool_is_a_type_error(call, tmp_path):
+    # progress="no" is truthy: it would draw a bar the caller asked not to see
+    tree = {"w": jnp.ones((4, 4))}
+    path = tmp_path / "t.safetensors"
+    jq.save_safetensors(path, tree)
+    run = {"quantize_tree": lambda p: jq.quantize_tree(tree, progress=p),
+           "save_safetensors": lambda p: jq.save_safetensors(tmp_path / "u.safetensors", tree,
+                                                             progress=p),
+           "load_safetensors": lambda p: jq.load_safetensors(path, progress=p),
+           "calibrate": lambda p: jq.calibration.calibrate(jq.calibration.minmax(),
+                                                           [jnp.ones(3)], progress=p)}[call]
+    with pytest.raises(TypeError, match="progress must be a bool.*'no'"):
+        run("no")
+    run(False)  # the quiet call still works
