@@ -214,7 +214,7 @@ def value_dtype(dtype, argname: str = "dtype") -> np.dtype:
         got = repr(dtype)
     if not isinstance(got, np.dtype) or not jnp.issubdtype(got, jnp.floating):
         raise TypeError(f"{argname} must be a float dtype, got {got}.")
-    if got.name.startswith("float6"):
+    if got.name in ("float6_e2m3fn", "float6_e3m2fn"):
         raise TypeError(f"{argname} must be a float dtype XLA computes in, got {got.name} "
                         "(float6 is a code format only: dequantize to float32 or bfloat16).")
     return got

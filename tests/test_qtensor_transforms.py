@@ -197,3 +197,9 @@ def test_float6_is_refused_as_a_value_dtype(dtype):
         jq.QTensor(q.qvalue, q.scale, dtype=dtype)
     with pytest.raises(TypeError, match="float6 is a code format only"):
         jq.dequantize(q, dtype)
+
+
+def test_float64_is_a_value_dtype():
+    # regression: "float64".startswith("float6") refused float64 as if it were float6
+    q = jq.quantize(jnp.ones(4), dtype=jnp.int8)
+    assert jq.QTensor(q.qvalue, q.scale, dtype=np.float64).dtype == np.float64
