@@ -15,7 +15,11 @@ One module-level `jax.custom_vjp` carries both estimators:
     ``qmax - z`` above it;
   - ``d/dz = 0`` inside the range and ``-s`` outside it;
 
-  summed over each group that shares a scale. The zero point is rounded (and
+  summed over each group that shares a scale. The in-range term is computed as
+  ``(q - z) - x / s`` (exact for integer codes) and ``d/dz`` as ``-s`` times the
+  group's sum, so scales near float32's smallest normal (where ``fq - x`` and
+  ``g * s`` are subnormal, flushed to zero by XLA:CPU) and subnormal scales get
+  the formula's gradients, not zeros or NaN. The zero point is rounded (and
   clamped) in the forward pass and passed straight through in the backward
   pass. ``lsq_grad_scale=True`` multiplies both by ``1 / sqrt(N * qmax)``, the
   gradient scale of the LSQ paper (``N`` elements per scale).
@@ -197,24 +201,24 @@ def fake_quant(
 
 
 def _codes(x, scale, zero_point, noise, config: _Config):
-    """(unclipped float codes, clipped float codes, rounded zero point or None, scale)."""
+    """(unclipped float codes, clipped float codes, rounded zero point or None, x / scale)."""
     fmt = config.fmt
     s = expand(scale, x.shape, config.layout)
     t = quotient(x.astype(jnp.float32), s, fmt)
     if fmt.is_codebook:
-        return t, code_values(t, fmt, noise), None, s
+        return t, code_values(t, fmt, noise), None, t
     if not fmt.is_integer:
         # ONNX adds a float4 zero point (all zeros), which turns -0.0 into +0.0
         t_codes = positive_zero(t) if config.float_zero_point else t
         q = round_to_codes(t_codes, None, fmt, config.saturate, noise=noise).astype(jnp.float32)
-        return t, q, None, s
+        return t, q, None, t
     zp = None
     r = jnp.round(t) if noise is None else stochastic_int(t, noise)
     if zero_point is not None:
         zp = expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x.shape, config.layout)
         r = r + zp
     q = jnp.clip(r, fmt.qmin, fmt.qmax)
-    return r, jnp.where(q == 0, 0.0, q), zp, s  # an integer code has no -0.0
+    return r, jnp.where(q == 0, 0.0, q), zp, t  # an integer code has no -0.0
 
 
 def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
@@ -256,16 +260,16 @@ def _fake_quant_fwd(x, scale, zero_point, noise, config):
 def _fake_quant_bwd(config: _Config, residuals, g):
     x, scale, zero_point, noise = residuals
     fmt = config.fmt
-    raw, q, zp, s = _codes(x, scale, zero_point, noise, config)
+    raw, q, zp, t = _codes(x, scale, zero_point, noise, config)
     g = g.astype(jnp.float32)
     inside = _in_range(raw, fmt, config.saturate)
     lo = fmt.qmin
     dx = jnp.where(inside, g, 0.0).astype(x.dtype)
     zpv = 0.0 if zp is None else zp
-    xf = x.astype(jnp.float32)
-    fq = (q - zpv) * s
     edge = jnp.where(raw < lo, jnp.float32(fmt.qmin) - zpv, jnp.float32(fmt.qmax) - zpv)
-    dscale = g * jnp.where(inside, (fq - xf) / s, edge)
+    # (fq - x) / s as (q - z) - x / s (exact for integer codes): no product with the scale,
+    # whose (fq - x) is subnormal, flushed to zero by XLA:CPU, for scales near 2**-126
+    dscale = g * jnp.where(inside, (q - zpv) - t, edge)
     factor = 1.0
     if config.grad_scale:  # N = elements sharing each scale (fewer in a partial last block)
         count = group_reduce(jnp.ones(x.shape, jnp.float32), config.layout, jnp.sum)
@@ -274,7 +278,10 @@ def _fake_quant_bwd(config: _Config, residuals, g):
     def to_scale(v):
         return (group_reduce(v, config.layout, jnp.sum) * factor).reshape(scale.shape)
 
-    dzp = None if zero_point is None else to_scale(jnp.where(inside, 0.0, -g * s))
+    dzp = None
+    if zero_point is not None:  # sum(-g) * s per group: no subnormal g * s (see `dequantize`)
+        s, f = scale_factors(scale)
+        dzp = (to_scale(jnp.where(inside, 0.0, -g)) * s) * f
     return dx, to_scale(dscale), dzp, None
 
 

@@ -99,9 +99,13 @@ def _scaled_square_sum(v: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 @jax.jit
-def _errors(x: jax.Array, qt: QTensor) -> tuple[jax.Array, ...]:
+def _errors(x: jax.Array, qt: QTensor, lo: jax.Array | None = None) -> tuple[jax.Array, ...]:
     """One leaf's ``(sum x^2, sum d^2)`` as scaled sums and exponents
     (`_scaled_square_sum`) and ``max |d|``, with ``d = x - x_hat``, in float32.
+
+    ``lo``: for a float64 reference, ``x - float32(x)`` (`_reference`), added to
+    the difference so that ``d`` is that of the float64 values, not of their
+    float32 roundings (which can hide an int16 or int32 error entirely).
 
     Compiled once per leaf signature (shape, dtype, format): the layers of a
     model share a handful of programs, where one program over the whole tree
@@ -109,9 +113,26 @@ def _errors(x: jax.Array, qt: QTensor) -> tuple[jax.Array, ...]:
     """
     x = x.astype(jnp.float32)
     d = x - dequantize_values(qt)
+    if lo is not None:
+        d = d + lo
     sig, sig_e = _scaled_square_sum(x)
     err, err_e = _scaled_square_sum(d)
     return sig, sig_e, err, err_e, jnp.max(jnp.abs(d), initial=0.0)
+
+
+def _reference(ref) -> tuple[jax.Array, jax.Array | None]:
+    """``(x, lo)``: the reference leaf as a JAX array and, for float64 (a NumPy array
+    while ``jax_enable_x64`` is off), the float32 remainder ``x - float32(x)``."""
+    if leaf_dtype(ref) != np.float64:
+        return jnp.asarray(ref), None
+    if isinstance(ref, jax.Array):  # float64 on device (x64 on): split there, sharding kept
+        hi = ref.astype(jnp.float32)
+        return hi, (ref - hi.astype(ref.dtype)).astype(jnp.float32)
+    ref = np.asarray(ref)
+    with np.errstate(all="ignore"):  # inf - inf, 1e300 -> inf: NaN statistics, no warning
+        hi = ref.astype(np.float32)
+        lo = (ref - hi).astype(np.float32)
+    return jnp.asarray(hi), jnp.asarray(lo)
 
 
 def _sqnr(sig: float, sig_e: int, err: float, err_e: int) -> float:
@@ -133,18 +154,21 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
         quantized tree described alone (formats and bytes; "before" is the
         size of each `QTensor` leaf in its float ``dtype``).
       qtree: ``tree`` after `jaxquant.quantize_tree` (same paths and shapes;
-        `QTensor` leaves where a rule applied), or ``None``.
+        `QTensor` leaves where a rule applied), or ``None``. Leaves are paired by
+        path, so ``qtree`` may list them in another order (a list of 11 layers,
+        saved and loaded back as a dict, comes as ``layers/0, layers/1, layers/10``).
 
     Returns:
       `LeafReport` rows in the order of the tree's leaves. With both trees, the
       SQNR and largest error of every quantized leaf come from a jitted
       program compiled once per leaf signature (float32 sums of squares scaled
       by a power of two, so that values from about 1e-38 to 3e38 neither
-      overflow nor flush to zero).
+      overflow nor flush to zero; a float64 leaf's differences are those of its
+      float64 values, not of their float32 roundings).
 
     Raises:
-      ValueError: the two trees have different leaf paths, or a leaf's shape
-        differs.
+      ValueError: the two trees have different leaf paths (or a repeated path in
+        another order), or a leaf's shape differs.
       TypeError: ``tree`` holds a `QTensor` where ``qtree`` does not, or a
         non-float leaf where ``qtree`` holds a `QTensor`.
 
@@ -165,9 +189,15 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
     qleaves = jax.tree_util.tree_leaves_with_path(qtree, is_leaf=is_record)
     qpaths = [path_str(p) for p, _ in qleaves]
     if paths != qpaths:
-        only = sorted(set(paths) ^ set(qpaths))
-        raise ValueError(f"tree and qtree must have the same leaf paths; they differ at "
-                         f"{only[:5] or 'their order'}.")
+        if len(set(paths)) == len(paths) and sorted(paths) == sorted(qpaths):
+            # Paired by path: a list of 11 layers reloaded from a checkpoint is a dict
+            # whose leaves come as layers/0, layers/1, layers/10, layers/2...
+            where = {p: i for i, p in enumerate(qpaths)}
+            qleaves = [qleaves[where[p]] for p in paths]
+        else:
+            only = sorted(set(paths) ^ set(qpaths))
+            raise ValueError(f"tree and qtree must have the same leaf paths; they differ at "
+                             f"{only[:5] or 'repeated paths in another order'}.")
     refs, qts, picked = [], [], []
     for i, ((_, ref), (_, q)) in enumerate(zip(leaves, qleaves, strict=True)):
         if tuple(np.shape(ref)) != tuple(np.shape(q)):
@@ -180,13 +210,13 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
             if not jnp.issubdtype(leaf_dtype(ref), jnp.floating):
                 raise TypeError(f"{paths[i]!r}: the reference leaf must be a float array, got "
                                 f"dtype {leaf_dtype(ref)}.")
-            refs.append(jnp.asarray(ref))
+            refs.append(_reference(ref))
             qts.append(q)
             picked.append(i)
     stats = {}
     if picked:
         # All leaves dispatched first, then fetched together: one wait, not one a leaf.
-        results = jax.device_get([_errors(x, q) for x, q in zip(refs, qts, strict=True)])
+        results = jax.device_get([_errors(x, q, lo) for (x, lo), q in zip(refs, qts, strict=True)])
         for i, (sig, sig_e, err, err_e, worst) in zip(picked, results, strict=True):
             stats[i] = (_sqnr(float(sig), sig_e, float(err), err_e), float(worst), True)
     return [_row(path, ref, q, *stats.get(i, ())) for i, (path, (_, ref), (_, q))
