@@ -25,6 +25,8 @@ import ml_dtypes
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxquant._args import as_dtype
+
 __all__ = ["Format", "FORMATS", "CODEBOOKS", "get_format", "value_dtype"]
 
 
@@ -208,12 +210,13 @@ def value_dtype(dtype, argname: str = "dtype") -> np.dtype:
       >>> value_dtype("bfloat16").name
       'bfloat16'
     """
-    try:  # np.dtype(None) would be float64
-        got = "None" if dtype is None else np.dtype(dtype)
+    try:
+        got = as_dtype(dtype, argname)  # None refused: np.dtype(None) would be float64
     except TypeError:
-        got = repr(dtype)
-    if not isinstance(got, np.dtype) or not jnp.issubdtype(got, jnp.floating):
-        raise TypeError(f"{argname} must be a float dtype, got {got}.")
+        got = None
+    if got is None or not jnp.issubdtype(got, jnp.floating):
+        shown = repr(dtype) if got is None else got
+        raise TypeError(f"{argname} must be a float dtype, got {shown}.")
     if got.name in ("float6_e2m3fn", "float6_e3m2fn"):
         raise TypeError(f"{argname} must be a float dtype XLA computes in, got {got.name} "
                         "(float6 is a code format only: dequantize to float32 or bfloat16).")
