@@ -12,8 +12,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-__all__ = ["as_array", "as_dtype"]
+__all__ = ["as_array", "as_dtype", "as_precision"]
 
 
 def as_array(value, argname: str) -> jax.Array:
@@ -47,3 +48,29 @@ def as_dtype(value, argname: str) -> np.dtype:
         return np.dtype(value)
     except TypeError:
         raise TypeError(f"{argname} must be a dtype, got {value!r}.") from None
+
+
+def as_precision(value, argname: str = "precision"):
+    """``value`` as ``lax.dot_general`` takes it, hashable (a list pair becomes a tuple).
+
+    The int8 x int8 -> int32 dot is exact and ignores its ``precision``; checking it
+    here means a typo fails on every path, not only on the float ones.
+
+    Raises:
+      ValueError: ``value`` is not ``None``, a ``lax.Precision`` or its name, a
+        pair of them, or a ``lax.DotAlgorithmPreset``, naming ``argname``.
+    """
+    if isinstance(value, list):
+        value = tuple(value)
+    if value is None:
+        return None
+    one = jax.ShapeDtypeStruct((1,), jnp.float32)
+    try:
+        hash(value)
+        jax.eval_shape(lambda a, b: lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                                                    precision=value), one, one)
+    except (TypeError, ValueError):
+        raise ValueError(f"{argname} must be None, a jax.lax.Precision or its name "
+                         f"('default', 'high', 'highest'), a pair of them, or a "
+                         f"jax.lax.DotAlgorithmPreset, got {value!r}.") from None
+    return value

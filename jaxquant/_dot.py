@@ -29,7 +29,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array, as_dtype
+from jaxquant._args import as_array, as_dtype, as_precision
 from jaxquant._granularity import normalize_axis
 from jaxquant._int_dot import ActQuant, check_int_operand, int_dot
 from jaxquant._qtensor import QTensor, check_consistent, is_qtensor
@@ -186,7 +186,8 @@ def qdot_general(
         `ActQuant`; a dimension that is not an int; a QTensor holding no codes; a
         ``preferred_element_type`` that is not a dtype.
       ValueError: bad ``dimension_numbers`` (malformed, out of range, or
-        contracting or batch dimensions of different sizes); a QTensor whose
+        contracting or batch dimensions of different sizes); a ``precision``
+        ``lax.dot_general`` does not take; a QTensor whose
         leaves do not fit its metadata (stacked, outside ``vmap``); int8 path: a
         float or wider than 8-bit QTensor, a scale varying along the
         contraction (per-axis on a contracting axis, blocked along another
@@ -214,6 +215,7 @@ def qdot_general(
             raise TypeError(f"{name} must be a float array or a jaxquant.QTensor, got dtype "
                             f"{op.dtype}.")
     dims = _check_dims(dimension_numbers, (ops[0].shape, ops[1].shape))
+    precision = as_precision(precision)
     if preferred_element_type is not None:
         preferred_element_type = as_dtype(preferred_element_type, "preferred_element_type")
     if act_quant is not None:

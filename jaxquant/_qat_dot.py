@@ -57,7 +57,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array, as_dtype
+from jaxquant._args import as_array, as_dtype, as_precision
 from jaxquant._barriers import int_dot_general
 from jaxquant._dot import _check_dims
 from jaxquant._fake_quant import fake_quant
@@ -356,7 +356,7 @@ def qat_dot_general(
                          "weight scale constant along the contraction (no block_size) and "
                          f"fake=False; got act={act!r}, weight.block_size="
                          f"{weight.block_size}, fake={fake}.")
-    cfg = _Config(dims, weight, act, backward, ops[0].dtype, precision, out_dtype,
+    cfg = _Config(dims, weight, act, backward, ops[0].dtype, as_precision(precision), out_dtype,
                   out_sharding)
     return _run(ops[0], ops[1], cfg, bool(fake))
 

@@ -138,3 +138,21 @@ def test_codebook_scheme_takes_a_list_of_tile_lengths_as_a_tuple(dtype):
     np.testing.assert_array_equal(
         np.asarray(jq.fake_quant(X, dtype=dtype, block_size=[2, 32])),
         np.asarray(jq.dequantize(want)))
+
+
+# ----------------------------------------------------------------------------- precision
+
+@pytest.mark.parametrize("call", [
+    lambda p: jq.qdot_general(X, QW, DIMS, p, act_quant=jq.ActQuant()),  # was ignored
+    lambda p: jq.qdot_general(X, QW, DIMS, p),
+    lambda p: jq.qeinsum("ab,bc->ac", X, QW, precision=p, act_quant=jq.ActQuant()),
+    lambda p: jq.qat_dot_general(X, W, DIMS, p),
+])
+def test_a_precision_dot_general_does_not_take_is_refused_on_every_path(call):
+    """The int8 x int8 dot is exact and ignored ``precision``: a typo passed silently there
+    and failed only once the same call ran on a float path."""
+    with pytest.raises(ValueError, match="precision must be None, a jax.lax.Precision.*got 'hihgest'"):
+        call("hihgest")
+    want = np.asarray(call("highest"))
+    for p in (["highest", "highest"], ("highest", "highest"), jax.lax.Precision.HIGHEST):
+        np.testing.assert_array_equal(np.asarray(call(p)), want)  # a list pair was unhashable

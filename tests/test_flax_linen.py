@@ -124,6 +124,16 @@ def test_bad_rules(rules, exc, match):
         quantize_linen(MLP(), rules)
 
 
+def test_rule_pairs_may_be_lists():
+    """Rules read from JSON/YAML arrive as lists of lists."""
+    model, x = MLP(), _x(4, 8)
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    as_lists = quantize_linen(model, [["head", None], ["", QuantConfig()]])
+    as_tuples = quantize_linen(model, [("head", None), ("", QuantConfig())])
+    assert as_lists.layers(params, x) == as_tuples.layers(params, x)
+    assert as_lists.layers(params, x)["head"] is None
+
+
 def test_bad_module():
     with pytest.raises(TypeError, match="module must be a flax.linen.Module, got function"):
         quantize_linen(lambda x: x, QuantConfig())
@@ -432,6 +442,12 @@ def test_int4_activations_cannot_run_int8_inference():
     (dict(int8_dot=True, act=ActSpec(scale=0.1)), ValueError,
      "int8_dot=True needs act=None or a dynamic int8 ActSpec"),
     (dict(int8_dot=True, learn_scale=True), ValueError, "cannot be combined with learn_scale"),
+    (dict(int8_dot=True, weight=jq.QuantSpec(scale_dtype=jnp.bfloat16)), ValueError,
+     "int8_dot=True .* needs a weight spec with scale_dtype=None"),
+    (dict(int8_dot=True, weight=jq.QuantSpec(block_size=4, double_quant=True)), ValueError,
+     "double_quant=False"),
+    (dict(int8_dot=True, weight=jq.QuantSpec(block_size=(2, 2))), ValueError,
+     "an int or None block_size, got weight=.*block_size=\\(2, 2\\)"),
 ])
 def test_bad_config(kwargs, exc, match):
     with pytest.raises(exc, match=match):

@@ -174,6 +174,11 @@ class QuantConfig:
             if w is None or w.dtype != jnp.int8 or not w.symmetric:
                 raise ValueError(f"int8_dot=True needs weight=QuantSpec(dtype=jnp.int8, "
                                  f"symmetric=True), got weight={w!r}.")
+            if w.scale_dtype is not None or w.double_quant or type(w.block_size) is tuple:
+                raise ValueError(f"int8_dot=True scales the int32 dot by float32 scales of "
+                                 f"whole rows or 1-D blocks, so it needs a weight spec with "
+                                 f"scale_dtype=None, double_quant=False and an int or None "
+                                 f"block_size, got weight={w!r}.")
             if a is not None and (a.dtype != jnp.int8 or a.scale is not None):
                 raise ValueError(f"int8_dot=True needs act=None or a dynamic int8 ActSpec(), "
                                  f"got act={a!r}.")
@@ -200,7 +205,7 @@ def check_rules(rules: Rules) -> tuple[tuple[re.Pattern, QuantConfig | None], ..
                         f"| None) pairs, got {type(rules).__name__}.")
     out = []
     for i, rule in enumerate(rules):
-        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)
                 and (rule[1] is None or isinstance(rule[1], QuantConfig))):
             raise TypeError(f"rules[{i}] must be a (pattern: str, QuantConfig | None) pair, "
                             f"got {rule!r}.")
