@@ -38,6 +38,12 @@ Without ``--rules``, every floating tensor of rank >= 2 becomes int8 with one
 scale per last-axis entry (`jaxquant.quantize_tree`'s default).
 PyTorch checkpoints store ``Linear`` weights as ``(out, in)``: ``axis=0`` gives
 one scale per output channel.
+
+An existing OUT is replaced (through a link, the file it points to): the file is
+written under a temporary name next to it, then renamed, so a failed or
+interrupted run leaves OUT as it was. OUT must not be IN, a directory, a device or
+a pipe. Exit status: 0 done, 1 a file that cannot be read or written (or a failed
+run), 2 bad arguments or a rule that does not fit its tensor, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import argparse
 import os
 import sys
 
+from jaxquant import __version__
 from jaxquant._cli_rules import parse_rule, parse_spec, rule_warnings
 from jaxquant._tree import QuantSpec
 
@@ -69,23 +76,41 @@ def _load(path: str):
 
     if os.path.isdir(path):
         raise _Fail(f"{path}: is a directory, not a file")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise _Fail(f"{path}: no such file")
+    if not os.path.isfile(path):  # read twice: a pipe would come back empty
+        raise _Fail(f"{path}: is not a regular file (a device, a pipe or a socket); give "
+                    f"the path of a safetensors file")
     try:
         return load_safetensors(path, allow_plain=True)
     except (ImportError, TypeError, ValueError) as e:
         raise _Fail(str(e).splitlines()[0]) from None
     except OSError as e:  # unreadable (permissions, I/O error, a device)
         raise _Fail(f"{path}: cannot read: {e.strerror or e}") from None
+    except RuntimeError as e:  # XLA's errors: out of device memory...
+        raise _Fail(f"{path}: cannot load: {_first_line(e)}") from None
 
 
-def _check_output(path: str) -> None:
-    """`_Fail` before any work if OUT is empty, a directory, or in a missing directory."""
+def _check_output(path: str) -> str:
+    """The file to write for OUT ``path``: itself, or the file it links to.
+
+    `os.replace` would put a regular file in place of a link (the file it points
+    to left stale) or of a device or pipe (``/dev/null``, for root).
+
+    Raises:
+      _Fail: before any work, if OUT is empty, a directory, not a regular file,
+        or in a missing directory.
+    """
     if not path or path.endswith(("/", os.sep)) or os.path.isdir(path):
         raise _Fail(f"{path!r}: cannot write: it is a directory or not a file name")
-    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and not os.path.isfile(path):
+        raise _Fail(f"{path}: cannot write: it exists and is not a regular file (a device, a "
+                    f"pipe or a socket); give OUT the path of a file")
+    target = os.path.realpath(path)
+    folder = os.path.dirname(target)
     if not os.path.isdir(folder):
         raise _Fail(f"{path}: cannot write: no such directory {folder}")
+    return target
 
 
 def _same_file(a: str, b: str) -> bool:
@@ -100,12 +125,20 @@ def _apply(spec: QuantSpec, name: str, leaf):
     """``spec(leaf)``; a rule that does not fit the tensor is a usage error naming it."""
     import jax
 
+    shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", "?")
     try:
         return jax.block_until_ready(spec(leaf))
     except (TypeError, ValueError) as e:
-        shape, dtype = tuple(getattr(leaf, "shape", ())), getattr(leaf, "dtype", "?")
         raise _Fail(f"cannot quantize tensor {name!r} ({dtype}{list(shape)}) as its rule "
                     f"says: {str(e).splitlines()[0]}", _USAGE_ERROR) from None
+    except RuntimeError as e:  # XLA's errors: out of device memory...
+        raise _Fail(f"cannot quantize tensor {name!r} ({dtype}{list(shape)}): "
+                    f"{_first_line(e)}") from None
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of ``e``'s message, or its type's name when it has none."""
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _quantize(args) -> int:
@@ -120,7 +153,7 @@ def _quantize(args) -> int:
         rules = None if not args.rules else [parse_rule(r) for r in args.rules]
     except ValueError as e:
         raise _Fail(f"--rules: {e}", _USAGE_ERROR) from None
-    _check_output(args.output)
+    target = _check_output(args.output)
     if _same_file(args.input, args.output):
         raise _Fail(f"OUT {args.output!r} is the input file IN {args.input!r}: quantize would "
                     f"overwrite it; give OUT another path.", _USAGE_ERROR)
@@ -141,7 +174,7 @@ def _quantize(args) -> int:
             out.append(leaf)
     qtree = jax.tree_util.tree_unflatten(treedef, out)
     try:
-        save_safetensors(args.output, qtree, progress=not args.quiet)
+        save_safetensors(target, qtree, progress=not args.quiet)
     except Exception as e:  # OSError, or safetensors' own error type
         raise _Fail(f"{args.output}: cannot write: {str(e).splitlines()[0]}") from None
     _out(format_report(quantization_report(tree, qtree)))
@@ -171,7 +204,7 @@ def _demo(args) -> int:
     try:
         run(steps=args.steps, print_fn=_out, progress=not args.quiet)
     except RuntimeError as e:  # no corpus; XLA's errors (out of memory...)
-        raise _Fail(str(e).splitlines()[0] if str(e) else type(e).__name__) from None
+        raise _Fail(_first_line(e)) from None
     return 0
 
 
@@ -223,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     parser = argparse.ArgumentParser(prog="jaxquant", description=_HELP,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version", version=f"jaxquant {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     q = sub.add_parser("quantize", help="quantize a safetensors file by rules",
                        description=_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -6,6 +6,7 @@ The grammar is in `jaxquant._cli`'s docstring (the ``--help`` text).
 
 from __future__ import annotations
 
+import difflib
 import re
 from typing import Any
 
@@ -28,7 +29,8 @@ def parse_spec(text: str) -> QuantSpec | None:
       The spec, or ``None`` for ``none`` (the tensor is kept).
 
     Raises:
-      ValueError: an unknown, repeated or conflicting option or format, a malformed
+      ValueError: an unknown (with the closest known name, if any), repeated or
+        conflicting option or format, an option without its value, a malformed
         number, or options that `QuantSpec` rejects (``packed`` for int8...).
 
     Example:
@@ -40,19 +42,25 @@ def parse_spec(text: str) -> QuantSpec | None:
       >>> parse_spec("int8:sym")  # doctest: +ELLIPSIS
       Traceback (most recent call last):
       ...
-      ValueError: unknown option 'sym' in 'int8:sym'; expected axis=INT, axis=none, ...
+      ValueError: unknown option 'sym' in 'int8:sym'; expected axis=INT, ... (did you mean 'asym'?).
     """
     name, *options = text.strip().split(":")
-    if name == "none" and not options:
+    if name == "none":
+        if options:
+            raise ValueError(f"{text!r}: 'none' (keep the tensor) takes no options, got "
+                             f"{':'.join(options)!r}.")
         return None
-    names = [*FORMATS, *CODEBOOKS, *SCHEMES]
+    names = list(dict.fromkeys([*FORMATS, *CODEBOOKS, *SCHEMES]))
     if name not in names:
         raise ValueError(f"unknown format {name!r} in {text!r}; expected none or one of "
-                         f"{', '.join(dict.fromkeys(names))}.")
+                         f"{', '.join(names)}{_did_you_mean(name, names)}.")
     kw: dict[str, Any] = {"dtype": name}
     seen: set[str] = set()
     for opt in options:
-        key, _, value = opt.partition("=")
+        key, eq, value = opt.partition("=")
+        if eq and not value and key in _VALUED:
+            raise ValueError(f"{opt!r} in {text!r} needs a value after '=', for example "
+                             f"{_VALUED[key]!r}.")
         _check_option(key, seen, opt, text)
         if key == "axis" and value:
             kw["axis"] = None if value == "none" else _int(value, opt, text)
@@ -71,13 +79,27 @@ def parse_spec(text: str) -> QuantSpec | None:
             kw[{"packed": "packed", "asym": "symmetric", "nosaturate": "saturate"}[opt]] = \
                 opt == "packed"
         else:
+            hint = _did_you_mean(key if eq else opt, [*_VALUED, *_FLAGS])
             raise ValueError(f"unknown option {opt!r} in {text!r}; expected axis=INT, axis=none, "
                              f"block=INT, tile=INTxINT, packed, asym, nosaturate, dq, "
-                             f"scale=DTYPE or round=MODE.")
+                             f"scale=DTYPE or round=MODE{hint}.")
     try:
         return QuantSpec(**kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{text!r}: {e}") from e
+
+
+_VALUED = {"axis": "axis=0", "block": "block=32", "tile": "tile=128x128",
+           "scale": "scale=bfloat16", "round": "round=ceil"}  # options NAME=VALUE, an example
+_FLAGS = ("packed", "asym", "nosaturate", "dq")
+
+
+def _did_you_mean(word: str, known: list[str]) -> str:
+    """``" (did you mean 'int8'?)"``: the name of ``known`` closest to ``word``, case aside;
+    ``""`` when none is close."""
+    lower = {k.lower(): k for k in known}
+    close = difflib.get_close_matches(word.lower(), list(lower), n=1, cutoff=0.7)
+    return f" (did you mean {lower[close[0]]!r}?)" if close else ""
 
 
 def _check_option(key: str, seen: set[str], opt: str, text: str) -> None:

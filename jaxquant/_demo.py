@@ -42,6 +42,10 @@ def load_corpus(max_bytes: int = 3_000_000) -> tuple[np.ndarray, np.ndarray]:
     """Bytes of the standard library's ``.py`` files: (train, validation), split by file.
 
     Files are taken in sorted order; every tenth file goes to validation.
+
+    Raises:
+      RuntimeError: no ``.py`` file in the standard library's folder, or too few
+        bytes for one (context, next byte) window in either part.
     """
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.glob("*.py") if p.is_file())
@@ -54,8 +58,11 @@ def load_corpus(max_bytes: int = 3_000_000) -> tuple[np.ndarray, np.ndarray]:
             break
     if not train or not val:
         raise RuntimeError(f"no Python sources found under {root}")
-    as_array = lambda chunks: np.frombuffer(b"\n".join(chunks), dtype=np.uint8)
-    return as_array(train), as_array(val)
+    train_bytes, val_bytes = (np.frombuffer(b"\n".join(c), dtype=np.uint8) for c in (train, val))
+    if min(len(train_bytes), len(val_bytes)) <= CONTEXT + 1:  # no window of CONTEXT + 1 bytes
+        raise RuntimeError(f"too little Python source under {root}: {len(train_bytes)} train and "
+                           f"{len(val_bytes)} validation bytes, at least {CONTEXT + 2} each needed")
+    return train_bytes, val_bytes
 
 
 def init_params(key: jax.Array) -> dict:
@@ -113,6 +120,13 @@ def batches(data: np.ndarray, batch: int, seed: int):
         start = rng.integers(0, len(data) - CONTEXT - 1, batch)
         win = data[start[:, None] + idx]
         yield jnp.asarray(win, jnp.int32), jnp.asarray(data[start + CONTEXT], jnp.int32)
+
+
+def validation_batches(data: np.ndarray, count: int = 2, size: int = 4096,
+                       seed: int = 1) -> list[tuple[jax.Array, jax.Array]]:
+    """``count`` distinct random batches of ``size`` (context, next byte) windows of ``data``."""
+    stream = batches(data, size, seed)
+    return [next(stream) for _ in range(count)]
 
 
 def train(train_data: np.ndarray, steps: int, seed: int = 0, progress: bool = False) -> dict:
@@ -223,7 +237,7 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print,
     params = train(train_data, steps, progress=progress)
     print_fn(f"trained a byte-level MLP ({jq.tree_nbytes(params):,} bytes of float32 "
              f"parameters) for {steps} steps in {time.perf_counter() - t0:.1f} s")
-    val = [next(batches(val_data, 4096, seed=1)) for _ in range(2)]
+    val = validation_batches(val_data)
     grams = jax.jit(input_grams)(params, next(batches(train_data, 4096, seed=2))[0])
 
     @functools.partial(jax.jit, static_argnums=1)
