@@ -192,9 +192,25 @@ def sharding_of(t, where: str = "", key: str = ""):
       A sharding with devices, or ``None``.
 
     Raises:
-      ValueError: an abstract mesh without a concrete mesh of its shape and axes set.
+      ValueError: an abstract mesh without a concrete mesh of its shape and axes set; a
+        sharding that splits an axis of the target (of a `PackedArray`: of its bytes)
+        into unequal shards.
     """
-    sharding = getattr(t.data if isinstance(t, PackedArray) else t, "sharding", None)
+    array = t.data if isinstance(t, PackedArray) else t
+    sharding = getattr(array, "sharding", None)
+    shape = tuple(getattr(array, "shape", ()))
+    try:
+        if hasattr(sharding, "shard_shape"):
+            sharding.shard_shape(shape)
+    except ValueError as e:
+        what, fix = f"shape {shape}", ""
+        if isinstance(t, PackedArray):
+            what = f"packed bytes {shape} (codes {tuple(t.shape)} packed along axis {t.axis})"
+            fix = (" (or give the codes unpacked, as a ShapeDtypeStruct of their own dtype "
+                   "and shape: they are unpacked onto its sharding)")
+        raise ValueError(f"{where}: {key!r}: the target's sharding {sharding.spec} does not "
+                         f"split its {what} into equal shards; shard axes whose length the "
+                         f"mesh axes divide{fix}.") from e
     mesh = getattr(sharding, "mesh", None)
     if not isinstance(mesh, jax.sharding.AbstractMesh):
         return sharding

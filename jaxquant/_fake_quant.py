@@ -85,6 +85,7 @@ from jaxquant._rounding import (
 )
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import resolve
+from jaxquant._shard_fit import check_shards_fit
 
 __all__ = ["fake_quant"]
 
@@ -171,6 +172,7 @@ def fake_quant(
                              f"zero point.")
         options = scale_options(r.scale_dtype, scale_rounding, double_quant, bool(symmetric))
         layout = layout_from_args(x.shape, axis, block_size)
+        check_shards_fit(x, layout, None)  # before the blocks are formed, as `quantize`
         _, scale, zero_point = computed_scale(x, fmt, layout, bool(symmetric), options)
     else:
         if isinstance(scale, QTensor):
@@ -180,6 +182,7 @@ def fake_quant(
             raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
         layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
         scale = squeeze_tensor_scale(scale, layout)
+        check_shards_fit(x, layout, None)
     given_zero_point = zero_point is not None
     if zero_point is not None:
         zero_point = zero_point_like_scale(as_array(zero_point, "zero_point"), scale)

@@ -273,7 +273,9 @@ def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array
     """``x`` viewed as ``(n0, b0, n1, b1, ...)``, padding partial tiles at the edges.
 
     An explicitly sharded ``x`` keeps each axis's mesh axes on its tile counts
-    (whole tiles per shard; `jaxquant._shard_fit` checks that they fit).
+    (whole tiles per shard; `jaxquant._shard_fit` checks that they fit for the
+    caller's tiles). An axis whose tiles would straddle shards (the library's
+    own tiles of 256 block scales for ``double_quant``) is gathered first.
     """
     counts, tiles = layout.scale_shape(x.shape), _lengths(x.shape, layout.block_size)
     pad = [(0, n * b - d) for n, b, d in zip(counts, tiles, x.shape, strict=True)]
@@ -293,7 +295,11 @@ def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array
         elif n == 1 and b % ways == 0:
             placed += [None, names]  # one tile, split across the shards
         else:
-            return x.reshape(shape)  # JAX's own inference (or its error)
+            placed += [None, None]  # tiles across shards: that axis whole on every device
+    gathered = tuple(names if placed[2 * i] is not None or placed[2 * i + 1] is not None
+                     else None for i, names in enumerate(spec))
+    if gathered != spec:
+        x = jax.sharding.reshard(x, sharding.update(spec=jax.sharding.PartitionSpec(*gathered)))
     tiled = sharding.update(spec=jax.sharding.PartitionSpec(*placed))
     return jnp.reshape(x, shape, out_sharding=tiled)
 
