@@ -130,8 +130,7 @@ def _dense_dims():
     (jq.QuantSpec(), jq.ActQuant()),
 ], ids=["w8", "w4-block-packed", "w8a8"])
 def test_qdot_general_sharded_matches_one_device(spec, act_quant):
-    # Auto axes: XLA propagates the shardings. (With explicit axes the weight-only
-    # path's slicing of sharded scales is rejected by JAX's sharding-in-types rules.)
+    # Auto axes: XLA propagates the shardings (explicit axes: tests/test_sharding_review.py).
     mesh = _mesh(jax.sharding.AxisType.Auto)
     x, w = _x(16, 64, seed=1), _x(64, 128, seed=2)
     wq = spec(w)
