@@ -192,7 +192,7 @@ def _check_rules(rules: Rules):
     """``rules`` validated: ``None``, a `QuantSpec`, or a list of (compiled pattern, spec)."""
     if rules is None or isinstance(rules, QuantSpec):
         return rules
-    if isinstance(rules, tuple) and len(rules) == 2 and isinstance(rules[0], str) \
+    if isinstance(rules, tuple | list) and len(rules) == 2 and isinstance(rules[0], str) \
             and (rules[1] is None or isinstance(rules[1], QuantSpec)):
         raise TypeError(f"rules must be a sequence of (pattern, QuantSpec | None) pairs, got "
                         f"one pair {rules!r}; wrap it in a list: [{rules!r}].")
@@ -201,7 +201,7 @@ def _check_rules(rules: Rules):
                         f"| None) pairs, got {type(rules).__name__}: {rules!r}.")
     checked = []
     for i, rule in enumerate(rules):
-        if not (isinstance(rule, tuple) and len(rule) == 2 and isinstance(rule[0], str)
+        if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)
                 and (rule[1] is None or isinstance(rule[1], QuantSpec))):
             raise TypeError(f"rules[{i}] must be a (pattern: str, QuantSpec | None) pair, "
                             f"got {rule!r}.")

@@ -162,6 +162,17 @@ def test_a_single_rule_pair_not_in_a_list_says_to_wrap_it():
         jq.unused_rules({"kernel": _f32(2, 2)}, ("kernel", None))
 
 
+def test_rule_pairs_may_be_lists():
+    """Rules read from JSON/YAML arrive as lists of lists; they were refused as "not a pair"."""
+    tree = {"enc": {"kernel": _f32(4, 8)}, "head": {"kernel": _f32(8, 2)}}
+    spec = jq.QuantSpec(dtype=jnp.int4)
+    q = jq.quantize_tree(tree, [["head", None], ["kernel", spec]])
+    assert not jq.is_qtensor(q["head"]["kernel"]) and q["enc"]["kernel"].qvalue.dtype == jnp.int4
+    assert jq.unused_rules(tree, [["dec", spec], ["", None]]) == [("dec", spec)]
+    with pytest.raises(TypeError, match=r"wrap it in a list"):
+        jq.quantize_tree(tree, ["kernel", spec])
+
+
 def test_invalid_pattern_is_named_with_its_index():
     with pytest.raises(ValueError, match=r"rules\[2\]: pattern '\*kernel' is not a valid regular "
                                          r"expression"):
