@@ -24,7 +24,6 @@ from jaxquant._formats import Format, value_dtype
 from jaxquant._granularity import (
     Layout,
     apply_grouped,
-    group_reduce,
     layout_from_args,
     layout_from_scale,
     squeeze_tensor_scale,
@@ -37,7 +36,7 @@ from jaxquant._qtensor import (
     zero_point_like_scale,
 )
 from jaxquant._rounding import NAN_CODES, quotient, round_to_codes, scale_factors
-from jaxquant._scale_formats import ScaleOptions, scale_options, store_scale
+from jaxquant._scale_formats import ScaleOptions, group_absmax, scale_options, store_scale
 from jaxquant._scales import compute_scale
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
@@ -288,8 +287,7 @@ def computed_scale(x: jax.Array, fmt: Format, layout: Layout, symmetric: bool,
     scale, zero_point = compute_scale(x, fmt, layout, symmetric)
     if options.plain:
         return scale, scale, zero_point
-    xs = jax.lax.stop_gradient(x.astype(jnp.float32))
-    amax = jnp.maximum(-group_reduce(xs, layout, jnp.min), group_reduce(xs, layout, jnp.max))
+    amax = group_absmax(jax.lax.stop_gradient(x.astype(jnp.float32)), layout)
     stored, values = store_scale(scale, amax, fmt, options)
     return stored, values, zero_point
 

@@ -22,7 +22,9 @@ A computed float32 scale (``absmax / max_finite`` per group) is stored as:
     largest value would round beyond the element maximum; values that round
     down to the maximum keep the finer scale.
 
-  Exponents are kept in ``[-126, 127]`` (XLA:CPU flushes float32 subnormals).
+  Exponents are kept in ``[-126, 127]`` (XLA:CPU flushes float32 subnormals);
+  a group whose absmax is a float32 subnormal gets ``2**-126`` (read from the
+  bits: XLA:CPU compares subnormals as zero), never the scale 1 of all-zero groups.
 * a float8 format (``float8_e4m3fn``, as NVFP4): a `QTensor` of float8 block
   scales with one float32 scale per tensor (``max(scale) / 448``), or, with
   ``double_quant``, one float32 scale per group of 256 block scales (tiles of
@@ -31,7 +33,11 @@ A computed float32 scale (``absmax / max_finite`` per group) is stored as:
   subtracting the mean, this uses float8 codes: 8 bits per
   scale either way, relative precision kept for small scales). A block scale
   too small for float8 next to the largest of its group is kept at the
-  smallest positive float8 code (never 0, so never a zeroed block).
+  smallest positive float8 code (never 0, so never a zeroed block). Groups of
+  zeros (float32 scale 1) and groups holding a NaN or an infinity are left out
+  of the second level's maxima (one of them would coarsen, or turn to NaN,
+  every block scale of its tile); the block scale of a non-finite group is NaN,
+  so that group alone dequantizes to NaN, as with float32 scales.
 """
 
 from __future__ import annotations
@@ -47,10 +53,12 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._barriers import keep_rounding
+from jaxquant._corrected_division import bits as f32_bits
 from jaxquant._formats import Format, get_format
+from jaxquant._granularity import Layout, group_reduce
 from jaxquant._rounding import exponent, pow2
 
-__all__ = ["ScaleOptions", "scale_options", "store_scale", "DOUBLE_QUANT_BLOCK"]
+__all__ = ["ScaleOptions", "scale_options", "store_scale", "group_absmax", "DOUBLE_QUANT_BLOCK"]
 
 ScaleRounding = Literal["floor", "ceil", "up_on_overflow"]
 DOUBLE_QUANT_BLOCK = 256
@@ -131,6 +139,17 @@ def _half_top_gap(fmt: Format) -> tuple[float, bool]:
     return gap / 2, round(fmt.max_finite / gap) % 2 == 1
 
 
+def group_absmax(x: jax.Array, layout: Layout) -> jax.Array:
+    """``max(|x|)`` of each group of float32 ``x``, NaN for a group holding one.
+
+    Reduced over the bits (ordered as the magnitudes for non-negative floats,
+    NaN above inf): XLA:CPU's float ``max`` reads subnormals as zero, which
+    would give a group of subnormals the scale of an all-zero group.
+    """
+    magnitude = f32_bits(x) & 0x7FFFFFFF
+    return jax.lax.bitcast_convert_type(group_reduce(magnitude, layout, jnp.max), jnp.float32)
+
+
 def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
     """(``float8_e8m0fnu`` scales, their float32 values) for group maxima ``amax``."""
     e = exponent(amax) - _emax(fmt)
@@ -143,7 +162,8 @@ def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
             limit = _top(fmt) + half
             over = (t > limit) | ((t == limit) & tie_up) if half else t > limit
         e = e + over.astype(jnp.int32)
-    e = jnp.where(amax > 0, jnp.clip(e, -126, 127), 0)  # all-zero groups: scale 1
+    nonzero = (f32_bits(amax) & 0x7FFFFFFF) != 0  # `amax > 0` is False for subnormals on CPU
+    e = jnp.where(nonzero, jnp.clip(e, -126, 127), 0)  # all-zero groups: scale 1
     nan = jnp.isnan(amax)  # a block holding a NaN: the NaN scale 0xFF, as OCP MX
     bits = jnp.where(nan, jnp.uint8(255), (e + 127).astype(jnp.uint8))
     stored = jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
@@ -180,13 +200,17 @@ def store_scale(scale: jax.Array, amax: jax.Array, fmt: Format, options: ScaleOp
             raise ValueError("double_quant and float8 scales need per-axis, blocked or tiled "
                              "scales; got per-tensor quantization.")
         tiles = _tiles_of(scale.shape, DOUBLE_QUANT_BLOCK) if options.double_quant else None
-        nested, _ = quantize_computed_values(scale, inner, None, tiles)
+        # Only finite scales of groups that are not all zeros set the second level.
+        finite = jnp.isfinite(scale)
+        nested, _ = quantize_computed_values(jnp.where(finite & (amax > 0), scale, 0), inner,
+                                             None, tiles)
         # A block scale too small for float8 next to its group's largest would be 0
         # (and its block all zeros): keep it at the smallest positive code instead.
         bits = jax.lax.bitcast_convert_type(nested.qvalue, jnp.uint8)
         bits = jnp.where(bits & 0x7F == 0, jnp.uint8(1), bits)
-        nested = dataclasses.replace(
-            nested, qvalue=jax.lax.bitcast_convert_type(bits, nested.qvalue.dtype))
+        codes = jax.lax.bitcast_convert_type(bits, nested.qvalue.dtype)
+        codes = jnp.where(finite, codes, jnp.asarray(jnp.nan, codes.dtype))
+        nested = dataclasses.replace(nested, qvalue=codes)
         return nested, dequantize_values(nested)
     stored = _plain_scale(scale, dt) if dt is not None and dt.name != "float32" else scale
     return stored, stored.astype(jnp.float32)
