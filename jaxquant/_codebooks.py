@@ -7,8 +7,11 @@ with the midpoints between neighbouring table entries (sorted by value, or
 by magnitude for sign-magnitude tables), exactly as bitsandbytes'
 ``dQuantizeNF4`` / ``dQuantizeFP4`` decision trees do: the
 number of midpoints below a value is its rank. Midpoints are computed in
-float64 and rounded to float32, which reproduces bitsandbytes' threshold
-constants. A value exactly on a midpoint goes down (bitsandbytes:
+float64 and rounded to float32, which reproduces bitsandbytes' NF4 threshold
+constants; its FP4 constants are 7-digit literals (``0.583333`` for 7/12), so
+the 20 float32 magnitudes between three of them and the midpoints take the
+nearer entry here, the other one in bitsandbytes. A value exactly on a
+midpoint goes down (bitsandbytes:
 ``x > threshold``; toward zero for FP4) or, for the IEEE-style float6 tables,
 to the code with the even bit pattern (round half to even). Values beyond the
 table saturate to its ends; NaN becomes the code of 0 (no code holds NaN).

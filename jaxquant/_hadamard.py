@@ -15,9 +15,12 @@ kernel are the same call on different axes, and it is its own inverse.
 scaled by ``block_size ** -0.5``. Blocks of up to 128 entries are one matrix product
 with ``H`` (``block_size`` multiply-adds per entry: on a CPU this beat the
 ``O(log n)`` butterflies, which XLA does not fuse); larger blocks factor
-``H = H_outer (x) H_128`` (Kronecker) into two products, ``128 + block_size / 128``
-multiply-adds per entry. Small blocks are cheap and spread outliers nearly as well
-(all-MiniLM-L6-v2's down-projections: blocks of 32 did as well as 512).
+``H = H_r (x) ... (x) H_128 (x) H_128`` (Kronecker, factors of at most 128) into one
+product per factor: ``128 + block_size / 128`` multiply-adds per entry up to blocks
+of ``2**14``, and constants of at most ``128 x 128`` for any block (one ``H`` of the
+whole block would need ``block_size ** 2`` entries). Small blocks are cheap and spread
+outliers nearly as well (all-MiniLM-L6-v2's down-projections: blocks of 32 did as
+well as 512).
 """
 
 from __future__ import annotations
@@ -45,7 +48,24 @@ def _sylvester(size: int) -> np.ndarray:
     return h
 
 
-_DENSE_BLOCK = 128  # blocks up to this size: one product with H; larger: two (Kronecker)
+_DENSE_BLOCK = 128  # blocks up to this size: one product with H; larger: Kronecker factors
+
+
+def _factors(block_size: int) -> list[int]:
+    """Powers of two of at most ``_DENSE_BLOCK`` whose product is ``block_size``, the
+    smallest first (``[4, 128]`` for 512, ``[2, 128, 128, 128]`` for ``2**22``)."""
+    factors = []
+    while block_size > 1:
+        factors.insert(0, min(block_size, _DENSE_BLOCK))
+        block_size //= factors[0]
+    return factors
+
+
+def _along(h: jax.Array, out: jax.Array, axis: int) -> jax.Array:
+    """The symmetric ``h`` applied along ``axis`` of ``out`` (one product, ``HIGHEST``)."""
+    names = "abcdefghijklmnopqrstuvwxy"[:out.ndim]
+    spec = f"z{names[axis]},{names}->{names.replace(names[axis], 'z')}"
+    return jnp.einsum(spec, h, out, precision=lax.Precision.HIGHEST)
 
 
 def _largest_power_of_two_dividing(n: int) -> int:
@@ -74,8 +94,9 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
       block_size: a power of two dividing ``x.shape[axis]``; None: the largest
         power of two dividing it (the whole axis when its length is a power of
         two; an empty axis is returned as it is).
-        Each entry costs about ``min(block_size, 128 + block_size / 128)``
-        multiply-adds.
+        Each entry costs about the sum of the Kronecker factors' sizes in
+        multiply-adds: ``block_size`` up to 128, ``128 + block_size / 128`` up
+        to ``2**14``, ``256 + block_size / 2**14`` up to ``2**21``...
 
     Returns:
       An array of ``x``'s shape and dtype. The products run at
@@ -117,13 +138,11 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
         return x
     compute = x.dtype if x.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
     moved = jnp.moveaxis(x, axis, -1).astype(compute)
-    outer = block_size // _DENSE_BLOCK if block_size > _DENSE_BLOCK else 1
-    inner = block_size // outer
-    blocks = moved.reshape(-1, outer, inner)
+    *outer, inner = _factors(block_size)  # H = H_outer[0] (x) ... (x) H_inner
+    blocks = moved.reshape(-1, *outer, inner)
     dot = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
     out = dot(blocks, jnp.asarray(_sylvester(inner), compute))  # (I (x) H_inner) per block
-    if outer > 1:  # (H_outer (x) I): mixes the rows of each block's (outer, inner) view
-        out = jnp.einsum("ko,mob->mkb", jnp.asarray(_sylvester(outer), compute), out,
-                         precision=lax.Precision.HIGHEST)
+    for i, size in enumerate(outer):  # each further factor mixes one axis of the block's view
+        out = _along(jnp.asarray(_sylvester(size), compute), out, i + 1)
     out = (out * (block_size ** -0.5)).reshape(moved.shape)
     return jnp.moveaxis(out, -1, axis).astype(x.dtype)

@@ -298,7 +298,8 @@ def round_to_codes(
     """Rounds float32 quotients ``t`` to codes of ``fmt``, as ONNX QuantizeLinear.
 
     Integer formats: ``clip(rint(t) + zero_point, qmin, qmax)`` with
-    round-half-to-even and saturation at every magnitude (also beyond int32).
+    round-half-to-even and saturation at every magnitude (also beyond int32);
+    a NaN gets the zero point's code.
     Float formats: a round-to-nearest-even cast, clipped to the largest finite
     value first when ``saturate`` or the format has no inf or NaN (NaN stays
     NaN, with ``t``'s sign and ml_dtypes' bit pattern: see `signed_nan_codes`).
@@ -341,7 +342,9 @@ def round_to_codes(
         # Whenever r + zero_point lands inside [qmin, qmax], |r| < 2**17 and the
         # float32 sum is exact; outside, rounding is monotone and the clip saturates.
         if zero_point is not None:
-            r = r + zero_point.astype(jnp.float32)
+            # NaN has no code: it gets the zero point's (as `_int32_codes` gives it), not the
+            # 0 that the conversion of a NaN sum would give
+            r = jnp.where(jnp.isnan(r), _F32(0), r) + zero_point.astype(jnp.float32)
         out = jnp.int8 if wide and fmt.bits < 8 else fmt.dtype
         return jnp.clip(r, fmt.qmin, fmt.qmax).astype(out)
     return _int32_codes(r, zero_point)
