@@ -83,13 +83,16 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
       hessian: ``(in, in)``, the sum of ``x^T x`` over calibration inputs ``x`` of shape
         ``(rows, in)`` (any positive multiple: only its directions matter; it is scaled
         by a power of four before it is factored, so results do not depend on its
-        magnitude). Only its symmetric part ``(H + H^T) / 2`` is used.
+        magnitude). Only its symmetric part ``(H + H^T) / 2`` is used. An input never
+        seen (a zero row of ``H``) couples to no other: its row is rounded to nearest.
       dtype: the code format (integer, float8 or a codebook name, as in `quantize`).
       axis: ``-1`` (or ``1``) for one scale per output channel; ``0`` (or ``-2``) with
         ``block_size`` for blocks of ``block_size`` input rows (the group size).
       block_size: rows per block along the input axis, dividing ``in``; or None.
       symmetric: absmax scales without zero point (True) or min/max with one.
-      damp: added to ``H``'s diagonal, as a fraction of its mean (GPTQ's ``percdamp``).
+      damp: added to ``H``'s diagonal, as a fraction of its mean (GPTQ's ``percdamp``;
+        inputs never seen count 0 in the mean, not 1 as in the reference code, so that the
+        damping does not depend on ``H``'s magnitude).
       act_order: visit rows by decreasing ``H[i, i]`` (block scales then come from ``w``).
 
     Returns:
@@ -145,14 +148,17 @@ def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTe
     k, n = w.shape
     wf, h = w.astype(jnp.float32), hessian.astype(jnp.float32)
     finite = jnp.all(jnp.isfinite(h))  # the factorizations read one triangle only
-    h = h + jnp.diag((jnp.diag(h) == 0).astype(jnp.float32))  # inputs never seen: no coupling
     # A power of four (exact, also for the square roots of the Cholesky factors) brings the
     # largest diagonal entry to [1, 4): no overflow or underflow for any magnitude.
     h = h * pow2(jnp.clip(-2 * (exponent(jnp.max(jnp.diag(h))) // 2), -126, 126))
     h = h * 0.5 + h.T * 0.5  # the symmetric part (exact for a symmetric h)
+    # Inputs never seen: a zero row (a zero diagonal entry beside others is indefinite).
+    dead = jnp.all(h == 0, axis=1)
+    mean = jnp.mean(jnp.diag(h))  # of the hessian as given: a dead input adds 0, at any scale
+    h = h + jnp.diag(dead.astype(jnp.float32))  # a dead input: its own, uncoupled row
     perm = jnp.argsort(-jnp.diag(h), stable=True) if act_order else jnp.arange(k)
     h = h[perm][:, perm]
-    h = h + damp * jnp.mean(jnp.diag(h)) * jnp.eye(k, dtype=jnp.float32)
+    h = h + damp * mean * jnp.eye(k, dtype=jnp.float32)
     h_inv = jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(h), jnp.eye(k))
     u = jnp.linalg.cholesky(h_inv).T  # upper: H^-1 = U^T U
     factored = finite & jnp.all(jnp.isfinite(u))  # NaN where a Cholesky factorization failed

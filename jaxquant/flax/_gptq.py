@@ -17,7 +17,9 @@ from collections.abc import Callable
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxquant._formats import get_format
 from jaxquant._gptq import gptq
 from jaxquant._packing import pack
 from jaxquant._qtensor import QTensor
@@ -78,16 +80,26 @@ def live_grams(grams: dict) -> dict:
 
 def linen_input_grams(module: nn.Module, rules, variables, args: tuple,
                       kwargs: dict) -> dict[str, jax.Array]:
-    """`QuantizedLinen.input_grams`: ``module.apply`` jitted under a recording interceptor."""
-    def run(variables, *args):
+    """`QuantizedLinen.input_grams`: ``module.apply`` jitted under a recording interceptor.
+
+    The arrays among ``args`` and ``kwargs`` are traced; other values (a ``train`` flag,
+    ``mutable``) reach the model as they are, as in ``module.apply``.
+    """
+    leaves, tree = jax.tree.flatten((args, kwargs))
+    is_array = [isinstance(x, jax.Array | np.ndarray) for x in leaves]
+
+    def run(variables, arrays):
+        it = iter(arrays)
+        args, kwargs = jax.tree.unflatten(tree, [next(it) if a else x
+                                                 for x, a in zip(leaves, is_array, strict=True)])
         grams: dict = {}
 
         def intercept(next_fun, a, k, context):
             m = context.module
             if context.method_name == "__call__" and isinstance(m, nn.Dense):
                 cfg, _ = select("/".join(m.path), rules)
-                if cfg is not None and cfg.weight is not None:
-                    record_gram(grams, "/".join(m.path), a[0])
+                if cfg is not None and cfg.weight is not None:  # Dense(inputs=x) too
+                    record_gram(grams, "/".join(m.path), a[0] if a else k["inputs"])
             return next_fun(*a, **k)
 
         with nn.intercept_methods(intercept):
@@ -95,7 +107,7 @@ def linen_input_grams(module: nn.Module, rules, variables, args: tuple,
         return grams
 
     try:
-        return jax.jit(run)(variables, *args)
+        return jax.jit(run)(variables, [x for x, a in zip(leaves, is_array, strict=True) if a])
     except jax.errors.UnexpectedTracerError as e:
         raise ValueError("input_grams records Dense layers called directly by the model; "
                          "layers inside nn.scan / nn.remat are not supported.") from e
@@ -109,13 +121,17 @@ def _why_not(spec: QuantSpec | None, cfg: QuantConfig | None, kernel_ndim: int) 
         return "its rule learns the weight scale (learn_scale=True)"
     if kernel_ndim != 2:
         return f"its kernel has {kernel_ndim} dimensions, not (in, out)"
-    if isinstance(spec.dtype, str) and spec.dtype in SCHEMES or spec.scale_dtype is not None \
+    scheme = SCHEMES.get(spec.dtype) if isinstance(spec.dtype, str) else None
+    if scheme is not None and scheme.scale_dtype is not None or spec.scale_dtype is not None \
             or spec.double_quant:
         return "its weight spec stores scales in another format (scale_dtype, double_quant, MX)"
-    if not (spec.block_size is None and spec.axis in (-1, 1)
-            or spec.axis == 0 and isinstance(spec.block_size, int)):
+    blocked = spec.axis in (0, -2) and isinstance(spec.block_size, int)
+    if not (spec.block_size is None and spec.axis in (-1, 1) or blocked):
         return (f"its weight spec (axis={spec.axis}, block_size={spec.block_size}) is neither "
                 f"per output channel nor blocked along the input axis")
+    if not blocked and get_format(spec.dtype).is_codebook:
+        return (f"its weight spec's {spec.dtype} codes need blocks along the input axis "
+                f"(axis=0 and a block_size), got axis={spec.axis}, block_size=None")
     return None
 
 
@@ -145,10 +161,16 @@ def gptq_kernel(kernel: jax.Array, gram: jax.Array, spec: QuantSpec, path: str) 
 
     Raises:
       ValueError: a kernel that is not 2-D (stacked by ``nn.scan``), naming ``path``.
+      TypeError, ValueError: an error of `jaxquant.gptq` (a gram of the wrong shape or
+        dtype, a block size not dividing ``in``, a gram that is not positive definite),
+        naming ``path``.
     """
     if kernel.ndim != 2:
         raise ValueError(f"grams[{path!r}] cannot be used: the kernel is stacked (shape "
                          f"{kernel.shape}), not (in, out).")
-    qt = gptq(kernel, gram, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
-              symmetric=spec.symmetric)
+    try:
+        qt = gptq(kernel, gram, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
+                  symmetric=spec.symmetric)
+    except (TypeError, ValueError) as e:
+        raise type(e)(f"grams[{path!r}] cannot be used: {e}") from None
     return pack(qt) if spec.packed else qt
