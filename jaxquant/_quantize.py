@@ -230,11 +230,19 @@ def _check_key(key):
                              or dtype == jnp.uint32):
         raise TypeError(f"key must be a PRNG key (jax.random.key or jax.random.PRNGKey), got "
                         f"{dtype or type(key).__name__}.")
-    if key.shape != (() if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else (2,)):
+    raw = _raw_key_shape(jax.config.jax_default_prng_impl)
+    if key.shape != (() if jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key) else raw):
         raise TypeError(f"key must be a single PRNG key (jax.random.key: shape (), "
-                        f"jax.random.PRNGKey: uint32 of shape (2,)), got {dtype} of shape "
+                        f"jax.random.PRNGKey: uint32 of shape {raw}), got {dtype} of shape "
                         f"{key.shape}; vmap over a batch of keys.")
     return key
+
+
+@functools.lru_cache
+def _raw_key_shape(impl: str) -> tuple[int, ...]:
+    """The shape of a ``jax.random.PRNGKey`` under the default PRNG ``impl`` ((2,) for
+    threefry, (4,) for rbg)."""
+    return jax.eval_shape(lambda: jax.random.PRNGKey(0)).shape
 
 
 def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: bool = True,

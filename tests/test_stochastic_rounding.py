@@ -123,3 +123,17 @@ def test_key_of_the_wrong_shape_names_the_argument(key):
     for fn in (jq.quantize, jq.fake_quant):
         with pytest.raises(TypeError, match=r"key must be a single PRNG key.*shape \((2|4),\)"):
             fn(jnp.ones(4), jnp.float32(1), key=key)
+
+
+def test_legacy_keys_of_the_rbg_prng_are_taken():
+    """Under ``jax_default_prng_impl='rbg'`` a ``jax.random.PRNGKey`` is uint32 of shape (4,);
+    it was refused as "a batch of keys"."""
+    x = jnp.linspace(-3.0, 3.0, 64)
+    with jax.default_prng_impl("rbg"):
+        key = jax.random.PRNGKey(3)
+        assert key.shape == (4,)
+        got = jq.quantize(x, jnp.float32(0.5), key=key).qvalue
+        want = jq.quantize(x, jnp.float32(0.5), key=jax.random.wrap_key_data(key)).qvalue
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        with pytest.raises(TypeError, match=r"jax.random.PRNGKey: uint32 of shape \(4,\)"):
+            jq.fake_quant(x, jnp.float32(0.5), key=jnp.zeros((2,), jnp.uint32))
