@@ -113,6 +113,10 @@ def promote_dtype(*args, dtype: DTypeLike | None = None, inexact: bool = True):
     Returns:
       A list (a tuple for a tuple argument) of the arguments.
 
+    Raises:
+      TypeError: ``dtype`` is not a dtype, or an argument is not an array, a
+        `QTensor` or ``None`` (a string, say).
+
     Example:
       >>> import jaxquant as jq
       >>> x, w = promote_dtype(jnp.ones(2, jnp.bfloat16), jq.quantize(jnp.ones((2, 2))))

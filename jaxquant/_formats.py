@@ -37,9 +37,11 @@ class Format:
     Attributes:
       dtype: the JAX/NumPy dtype of the codes.
       bits: storage bits per code (4 for int4, 8 for float8_e4m3fn, ...).
-      kind: ``"int"`` for integer codes, ``"float"`` for minifloat codes.
-      qmin: smallest code value (for floats, ``-max_finite``).
-      qmax: largest code value (for floats, ``max_finite``).
+      kind: ``"int"`` for integer codes, ``"float"`` for minifloat codes,
+        ``"codebook"`` for indices into ``values``.
+      qmin: smallest code value (floats: ``-max_finite``; codebooks: the
+        smallest table value).
+      qmax: largest code value (floats and codebooks: ``max_finite``).
       max_finite: largest finite magnitude that a code can hold.
       values: codebooks only: the value of each code index, as published
         (decoding rounds them to float32; midpoints are taken before that).
@@ -147,7 +149,14 @@ CODEBOOKS: dict[str, Format] = {
         _codebook("float6_e3m2fn", _float6(ml_dtypes.float6_e3m2fn), 6, True, "even"),
     )
 }
-"""Codebook formats, by name: codes are indices into ``Format.values``."""
+"""Codebook formats, by name: codes are indices into ``Format.values``.
+
+Example:
+  >>> sorted(CODEBOOKS)
+  ['float6_e2m3fn', 'float6_e3m2fn', 'fp4', 'nf4']
+  >>> CODEBOOKS["nf4"].bits, len(CODEBOOKS["nf4"].values), CODEBOOKS["nf4"].values[-1]
+  (4, 16, 1.0)
+"""
 
 FORMATS: dict[str, Format] = {
     f.name: f
@@ -157,7 +166,15 @@ FORMATS: dict[str, Format] = {
         *(_float_format(d) for d in (jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.float4_e2m1fn)),
     )
 }
-"""Every supported format, by dtype name."""
+"""Every supported format, by dtype name.
+
+Example:
+  >>> sorted(FORMATS)  # doctest: +NORMALIZE_WHITESPACE
+  ['float4_e2m1fn', 'float8_e4m3fn', 'float8_e5m2', 'int16', 'int2', 'int32', 'int4',
+   'int8', 'uint16', 'uint2', 'uint4', 'uint8']
+  >>> FORMATS["float8_e4m3fn"]
+  Format(name='float8_e4m3fn', bits=8, kind='float', qmin=-448.0, qmax=448.0, max_finite=448.0)
+"""
 
 
 def get_format(dtype: DTypeLike, *, argname: str = "dtype") -> Format:

@@ -47,6 +47,13 @@ class Observer(NamedTuple):
     the observer's own (a `RangeState` or a `HistogramState`) or has fields of
     another kind (integer counts of a histogram), and ``ValueError`` for one of
     other shapes (a histogram of other ``bins``).
+
+    Example:
+      >>> import jaxquant as jq
+      >>> obs = jq.calibration.minmax()
+      >>> state = obs.update(obs.init(jnp.zeros(3)), jnp.array([-1.0, 0.5, 2.54]))
+      >>> obs.compute(state)  # absmax / 127, no zero point
+      (Array(0.02, dtype=float32), None)
     """
 
     init: Callable[[Any], Any]
@@ -61,6 +68,13 @@ class RangeState(NamedTuple):
       min: float32 running minimum, ``()`` or ``(channels,)``; ``+inf`` at first.
       max: float32 running maximum, same shape; ``-inf`` at first.
       count: int32 number of batches seen.
+
+    Example:
+      >>> import jaxquant as jq
+      >>> obs = jq.calibration.minmax(axis=0)
+      >>> obs.update(obs.init(jnp.zeros((2, 3))), jnp.array([[-1.0, 2.0, 0.5], [3.0, -4.0, 1.0]]))
+      RangeState(min=Array([-1., -4.], dtype=float32), max=Array([2., 3.], dtype=float32),
+                 count=Array(1, dtype=int32))
     """
 
     min: jax.Array

@@ -51,6 +51,10 @@ class Scheme:
       block_size: the block length along the quantized axis.
       scale_dtype: the stored scale dtype (``None``: float32).
       fixed_block: whether the block length is part of the format.
+
+    Example:
+      >>> SCHEMES["mxfp4"]
+      Scheme(element='float4_e2m1fn', block_size=32, scale_dtype='float8_e8m0fnu', fixed_block=True)
     """
 
     element: str
@@ -70,7 +74,15 @@ SCHEMES: dict[str, Scheme] = {
     "nf4": Scheme("nf4", 64, None, fixed_block=False),
     "fp4": Scheme("fp4", 64, None, fixed_block=False),
 }
-"""Every named composite format."""
+"""Every named composite format, by name (the ``dtype=`` of `jaxquant.quantize`).
+
+Example:
+  >>> sorted(SCHEMES)  # doctest: +NORMALIZE_WHITESPACE
+  ['fp4', 'mxfp4', 'mxfp6_e2m3', 'mxfp6_e3m2', 'mxfp8_e4m3', 'mxfp8_e5m2', 'mxint8', 'nf4',
+   'nvfp4']
+  >>> SCHEMES["nvfp4"].block_size, SCHEMES["nvfp4"].scale_dtype
+  (16, 'float8_e4m3fn')
+"""
 
 
 @dataclasses.dataclass(frozen=True)

