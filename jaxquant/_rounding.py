@@ -5,9 +5,9 @@ the correctly rounded (IEEE 754) float32 quotient. Three things stand between
 a plain ``jnp`` expression and that definition:
 
 * XLA's algebraic simplifier rewrites ``x / broadcast(s)`` as
-  ``x * broadcast(1 / s)``: two roundings instead of one, which moves about one
-  quotient in 500 by an ulp, enough to push roughly one code in a million
-  across an exact tie (``k + 0.5``) to the wrong side.
+  ``x * broadcast(1 / s)``: two roundings instead of one, which moves 15-55% of
+  the quotients by an ulp (depending on ``s``), enough to push roughly one code
+  in a million across an exact tie (``k + 0.5``) to the wrong side.
 * XLA:GPU's float32 division is not correctly rounded either (it is within
   2 ulps, and about 1 ulp off on a few quotients in a hundred).
 * Quantization is memory-bound: a fix must not cost a pass over memory.
