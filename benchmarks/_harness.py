@@ -40,6 +40,16 @@ def time_call(fn: Callable[[], object]) -> tuple[float, int]:
     return seconds, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults
 
 
+def call_repeatedly(fn: Callable[[], object], calls: int) -> list:
+    """``calls`` calls of ``fn``, returned once every leaf of every result is ready.
+
+    Waiting on the last result only would trust the runtime to run independent
+    calls in order; waiting on all of them leaves no work of one case running
+    into the next case's timing.
+    """
+    return jax.block_until_ready([fn() for _ in range(calls)])
+
+
 def run_rounds(fns: dict[str, Callable[[], object]],
                repeats: int) -> dict[str, list[tuple[float, int]]]:
     """Times every callable once per round, in turn: ``repeats`` (seconds, faults) each."""
@@ -70,8 +80,15 @@ def parse_rounds(doc: str, argv: Sequence[str] | None, *, flag: str = "--rounds"
     return args
 
 
+def command(module: str, argv: Sequence[str] | None) -> str:
+    """The command line that ran ``benchmarks.<module>`` with ``argv`` (``None``: ``sys.argv``)."""
+    args = sys.argv[1:] if argv is None else argv
+    return " ".join(["python -m benchmarks." + module, *args])
+
+
 def machine_info(packages: Sequence[str]) -> dict:
-    """Platform, CPU and the versions of every package involved (``None``: not installed)."""
+    """Platform, CPU, JAX device and the versions of every package involved (``None``: not
+    installed)."""
     versions = {}
     for pkg in packages:
         try:
@@ -90,6 +107,7 @@ def machine_info(packages: Sequence[str]) -> dict:
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
         "jax_backend": jax.default_backend(),
+        "jax_devices": f"{jax.device_count()} x {jax.devices()[0].device_kind}",
         "env": {k: os.environ.get(k) for k in ENV_VARS},
         "versions": versions,
     }

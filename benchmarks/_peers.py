@@ -5,12 +5,14 @@ Both are imported lazily, so a missing package only disables its own rows.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 
 import numpy as np
 
-THREADS = 2
-"""Intra-op threads for ONNX Runtime and PyTorch (the machine's core count)."""
+THREADS = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+"""Intra-op threads for ONNX Runtime and PyTorch: the cores this process may use, as many as
+XLA:CPU's thread pool gets (2 on the development machine)."""
 
 
 def ort_call(op: str, x: np.ndarray, scale: np.ndarray, zero_point: np.ndarray,

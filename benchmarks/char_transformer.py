@@ -12,15 +12,20 @@ validation). The model is an unmodified Flax linen decoder (``nn.Embed``,
 from the outside:
 
 * **PTQ**: the trained parameter tree goes through `jq.quantize_tree` (int8
-  per-channel, int4 blocks of 32, packed) and the same model runs on it, its
-  Dense layers given `jq.QDotGeneral` through ``nn.intercept_methods``;
+  per-channel, int4 blocks of 32, packed) and the same model runs on it,
+  dequantized (`jq.dequantize_tree`) inside the jitted evaluation; for W8A8 the
+  input of every Dense layer is also fake-quantized to int8 per token through
+  ``nn.intercept_methods`` (the values of an int8 x int8 dot, in float);
 * **QAT**: the model trains from scratch with fake-quantized kernels
   (`jq.fake_quant`, straight-through gradients) and, for W8A8, fake-quantized
   per-token inputs of every Dense layer; then it is converted as in PTQ.
 
 Every variant trains with the same data order, steps and optimizer. The table
 reports validation bits per byte, perplexity (per byte), parameter bytes and
-the median train-step time, in ``benchmarks/results/char_transformer.{json,md,png}``.
+the median train-step time (the first 5 steps, compilation among them, left
+out), in ``benchmarks/results/char_transformer.{json,md,png}``. The variants
+train one after another, so their step times come from different minutes of
+the machine, not interleaved rounds: on a shared machine compare them loosely.
 """
 
 from __future__ import annotations
@@ -153,12 +158,14 @@ def bits_per_byte(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """How a variant trains (``weights``/``acts`` fake-quant) and how it is served."""
+    """How a variant trains: ``weights`` and ``acts`` (int8 per token) fake-quantized, or not.
+
+    Its converted tree is evaluated with the same ``acts``.
+    """
 
     name: str
     weights: jq.QuantSpec | None = None
     acts: bool = False
-    serve: tuple[jq.QuantSpec, jq.QDotGeneral] | None = None
 
 
 def train(model: CharTransformer, variant: Variant, data: np.ndarray, cfg: Config,
@@ -196,7 +203,7 @@ def train(model: CharTransformer, variant: Variant, data: np.ndarray, cfg: Confi
         losses.append(loss)
         if i % max(1, cfg.steps // 10) == 0 or i == cfg.steps - 1:
             log(f"  {variant.name}: step {i:5d}  loss {loss:.3f} bits/byte")
-    return params, losses, times[5:] or times
+    return params, losses, times[5:] or times[1:] or times  # the first step compiles
 
 
 def evaluate(model: CharTransformer, params, val: list, acts: bool = False) -> float:

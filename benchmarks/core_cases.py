@@ -3,7 +3,8 @@
 `cases` lists every row: jaxquant's quantize / dequantize / fake_quant of each
 format and granularity, the plain ``jnp`` spelling of the same maths
 (`benchmarks._plain`), the peers (ONNX Runtime, PyTorch, qwix, each optional)
-and the memory-copy limit (`LIMIT_CASE`). Every case builds, from the shared
+and the memory-copy limits (`LIMIT_CASE` on the host, `DEVICE_LIMIT_CASE` on an
+accelerator; `limit_case` picks). Every case builds, from the shared
 `Inputs`, a zero-argument callable that returns when its work is done.
 """
 
@@ -27,7 +28,20 @@ except ImportError:  # python benchmarks/run.py
     from _peers import ort_call, torch_call
 
 LIMIT_CASE = "numpy.copyto (preallocated)"
-"""The memory-copy limit: every case is compared with its bandwidth."""
+"""The host's memory-copy limit: every case on the CPU is compared with its bandwidth."""
+DEVICE_LIMIT_CASE = "jax jit copy (x + 0)"
+"""An accelerator's copy limit: a device-to-device copy into a fresh buffer."""
+HOST_PACKAGES = ("onnxruntime", "torch")
+"""Peers that run on the host CPU whatever JAX's backend (as NumPy does)."""
+INT4_B128, INT8_B128 = 4 + (4 + 32 / 128) / 8, 4 + (8 + 32 / 128) / 8
+"""Bytes per element of float32 and codes in blocks of 128 with float32 scales: int4 codes
+two per byte; one byte per code (int8, or int4 held unpacked, as JAX and qwix hold it)."""
+
+
+def limit_case(backend: str) -> str:
+    """The copy-limit row for JAX's ``backend``: NumPy's on the CPU, else the device's own."""
+    return LIMIT_CASE if backend == "cpu" else DEVICE_LIMIT_CASE
+
 
 # --------------------------------------------------------------------------- inputs
 
@@ -135,6 +149,11 @@ class Case:
     build: Callable[[Inputs], Callable[[], object]]
     baseline: str | None = None
     requires: str | None = None
+
+    def device(self, backend: str) -> str:
+        """Where the case runs: ``"host cpu"`` for NumPy and the host peers, else ``backend``."""
+        host = backend == "cpu" or self.name == LIMIT_CASE or self.requires in HOST_PACKAGES
+        return "host cpu" if host else backend
 
 
 def jax_call(fn: Callable, *args) -> Callable[[], object]:
@@ -271,7 +290,7 @@ def cases() -> list[Case]:
     ort, torch, qwix = "onnxruntime", "torch", "qwix"
     return [
         Case(LIMIT_CASE, "memory copy", 8, numpy_copy),
-        Case("jax jit copy (x + 0)", "memory copy", 8, lambda i: jax_call(lambda x: x + 0, i.x)),
+        Case(DEVICE_LIMIT_CASE, "memory copy", 8, lambda i: jax_call(lambda x: x + 0, i.x)),
         # --- per-tensor, explicit scale
         Case("jaxquant quantize", t, 5,
              lambda i: jax_call(jq.quantize, i.x, i.scale), _pt("quantize")),
@@ -343,29 +362,33 @@ def cases() -> list[Case]:
              qwix_call(jnp.int8, channelwise_axes=(0,)),
              _pt("quantize (computed, axis 0)"), qwix),
         # --- int4 in blocks of 128 along the rows, computed scales
-        Case("jaxquant int4 + jq.pack (one jit)", b4, 4.5,
+        Case("jaxquant int4 + jq.pack (one jit)", b4, INT4_B128,
              lambda i: jax_call(lambda x: jq.pack(jq.quantize(
                  x, dtype=jnp.int4, axis=-1, block_size=128)), i.x),
              _pt("int8-stored int4 codes")),
-        Case("jaxquant int4 packed=True", b4, 4.5,
+        Case("jaxquant int4 packed=True", b4, INT4_B128,
              lambda i: jax_call(lambda x: jq.quantize(
                  x, dtype=jnp.int4, axis=-1, block_size=128, packed=True), i.x),
              _pt("int8-stored int4 codes")),
-        Case("jaxquant int4 (unpacked jnp.int4 codes)", b4, 4.5,
+        Case("jaxquant int4 (unpacked jnp.int4 codes)", b4, INT8_B128,
              lambda i: jax_call(functools.partial(
                  jq.quantize, dtype=jnp.int4, axis=-1, block_size=128), i.x),
              _pt("int8-stored int4 codes")),
-        Case("jaxquant int8 block-128 (int8 codes)", b4, 5,
+        Case("jaxquant int8 block-128 (int8 codes)", b4, INT8_B128,
              lambda i: jax_call(functools.partial(
                  jq.quantize, dtype=jnp.int8, axis=-1, block_size=128), i.x),
              _pt("int8-stored int4 codes")),
-        Case(_pt("int8-stored int4 codes"), b4, 5,
+        Case(_pt("int8-stored int4 codes"), b4, INT8_B128,
              lambda i: jax_call(plain.block_codes, i.x)),
-        Case("qwix quantize (int4, tiled_axes={1: 128})", b4, 4.5,
-             qwix_call(jnp.int4, tiled_axes={1: 128}), _pt("int8-stored int4 codes"), qwix),
-        Case("jaxquant int4 dequantize (packed)", b4, 4.5, jq_format_dequantize("int4"),
+        # one scale per row and block of 128, as jaxquant's rows (tiled_axes alone would
+        # share each scale across all rows of a 128-column stripe)
+        Case("qwix quantize (int4, channelwise_axes=(0,), tiled_axes={1: 128})", b4,
+             INT8_B128, qwix_call(jnp.int4, channelwise_axes=(0,), tiled_axes={1: 128}),
+             _pt("int8-stored int4 codes"), qwix),
+        Case("jaxquant int4 dequantize (packed)", b4, INT4_B128, jq_format_dequantize("int4"),
              _pt("dequantize int8-stored int4 codes")),
-        Case(_pt("dequantize int8-stored int4 codes"), b4, 5, plain_format_dequantize("int4")),
+        Case(_pt("dequantize int8-stored int4 codes"), b4, INT8_B128,
+             plain_format_dequantize("int4")),
         # --- low-bit formats, scales computed from the data, blocks along the rows
         *format_cases("nf4", "nf4 block-64", "nf4 packed=True", 4.5, 8.5, "uint8 codes"),
         *format_cases("mxfp8_e4m3", "mxfp8_e4m3 block-32", "mxfp8_e4m3", 8.25, 8.25,

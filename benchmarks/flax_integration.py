@@ -43,9 +43,9 @@ import jaxquant as jq
 from jaxquant.flax import ActSpec, QuantConfig, quantize_linen
 
 try:  # python -m benchmarks.flax_integration
-    from benchmarks._harness import machine_info, run_rounds, write_atomic
+    from benchmarks._harness import call_repeatedly, machine_info, run_rounds, write_atomic
 except ImportError:  # python benchmarks/flax_integration.py
-    from _harness import machine_info, run_rounds, write_atomic
+    from _harness import call_repeatedly, machine_info, run_rounds, write_atomic
 
 WIDTH, BATCH, LAYERS = 1024, 256, 4
 W8A8 = QuantConfig(act=ActSpec())
@@ -97,7 +97,7 @@ def train_cases(x, y, calls: int) -> dict:
         def fn(step=step, state=state):
             for _ in range(calls):
                 state[0], state[1], loss = step(state[0], state[1])
-            return jax.block_until_ready(loss)
+            return jax.block_until_ready((state, loss))
 
         fn()
         out[name] = fn
@@ -125,8 +125,7 @@ def infer_cases(x, calls: int) -> tuple[dict, dict]:
         y = np.asarray(apply(tree, x))
         info[name] = {"rel_l2_vs_float32": float(np.linalg.norm(y - ref) / np.linalg.norm(ref)),
                       "param_bytes": jq.tree_nbytes(tree)}
-        fns[name] = lambda apply=apply, tree=tree: [apply(tree, x) for _ in range(calls)][
-            -1].block_until_ready()
+        fns[name] = lambda apply=apply, tree=tree: call_repeatedly(lambda: apply(tree, x), calls)
     return fns, info
 
 
@@ -164,8 +163,9 @@ def main(argv=None) -> None:
         "" if (args.rounds, args.calls) == (11, 3) else
         f" --rounds {args.rounds} --calls {args.calls}")
     m = machine_info(["jax", "jaxlib", "flax", "optax", "numpy"])
+    date = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     lines = [
-        f"{datetime.datetime.now(datetime.UTC).isoformat(timespec='seconds')} · {m['cpu']}, "
+        f"{date} · {m['cpu']}, "
         f"{m['cpu_count']} CPUs · " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()
                                                 if v)
         + f" · `{command}` · {LAYERS} x Dense({WIDTH}) + ReLU, batch {BATCH} · median of "
@@ -181,8 +181,9 @@ def main(argv=None) -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out / "flax_integration.md", text)
     write_atomic(args.out / "flax_integration.json", json.dumps(
-        {"command": command, "machine": m, "load_average_1min": load,
-         "seconds_per_round": times, "calls_per_round": args.calls, "inference": info},
+        {"date": date, "command": command, "machine": m, "load_average_1min": load,
+         "rounds": args.rounds, "calls_per_round": args.calls, "seconds_per_round": times,
+         "inference": info},
         indent=1))
 
 

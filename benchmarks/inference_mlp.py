@@ -41,9 +41,15 @@ from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general
 from jaxquant._einsum import qeinsum
 
 try:  # python -m benchmarks.inference_mlp
-    from benchmarks._harness import machine_info, ratio_record, write_report
+    from benchmarks._harness import (
+        call_repeatedly,
+        command,
+        machine_info,
+        ratio_record,
+        write_report,
+    )
 except ImportError:  # python benchmarks/inference_mlp.py
-    from _harness import machine_info, ratio_record, write_report
+    from _harness import call_repeatedly, command, machine_info, ratio_record, write_report
 
 WIDTH, BATCH, LAYERS = 1024, 32, 4
 DN = (((1,), (0,)), ((), ()))
@@ -198,9 +204,7 @@ def run(rounds: int, calls: int) -> dict:
         for name in order:
             fn, tree = ready[name]
             t0 = time.perf_counter()
-            for _ in range(calls):
-                out = fn(tree, x)
-            out.block_until_ready()
+            call_repeatedly(lambda fn=fn, tree=tree: fn(tree, x), calls)
             times[name].append((time.perf_counter() - t0) / calls)
         print(f"  round {r + 1}/{rounds}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     base = times["float32"]
@@ -223,8 +227,8 @@ def markdown(result: dict) -> str:
     m = result["machine"]
     versions = ", ".join(f"{k} {v}" for k, v in m["versions"].items() if v)
     lines = [f"{result['date']} · {m['cpu']}, {m['cpu_count']} CPUs · {versions} · "
-             f"{result['model']} · median of {result['rounds']} round-robin rounds of "
-             f"{result['calls_per_round']} calls · 1-min load average "
+             f"`{result['command']}` · {result['model']} · median of {result['rounds']} "
+             f"round-robin rounds of {result['calls_per_round']} calls · 1-min load average "
              f"{result['load_average_1min'][0]:.2f} before, {result['load_average_1min'][1]:.2f} "
              f"after (a shared machine: compare rows within one run)", "",
              "| case | median ms | min ms | vs float32 (median of per-round ratios) | "
@@ -253,6 +257,7 @@ def main(argv=None) -> None:
     except Exception:
         traceback.print_exc()
         raise
+    result["command"] = command("inference_mlp", argv)
     write_report(args.out, "inference_mlp", result, markdown(result))
 
 

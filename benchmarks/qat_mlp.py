@@ -52,9 +52,15 @@ import numpy as np
 from jaxquant._qat_dot import QATDotGeneral
 
 try:  # python -m benchmarks.qat_mlp
-    from benchmarks._harness import machine_info, ratio_record, run_rounds, write_report
+    from benchmarks._harness import (
+        call_repeatedly,
+        machine_info,
+        ratio_record,
+        run_rounds,
+        write_report,
+    )
 except ImportError:  # python benchmarks/qat_mlp.py
-    from _harness import machine_info, ratio_record, run_rounds, write_report
+    from _harness import call_repeatedly, machine_info, ratio_record, run_rounds, write_report
 
 WIDTH, BATCH, LAYERS = 1024, 256, 4
 
@@ -152,7 +158,7 @@ def single_dots(rng, calls: int) -> dict:
     for name, fn, args in [(f"float32 dot ({BATCH}, {WIDTH}) . ({WIDTH}, {WIDTH})", f32, (x, w)),
                            ("int8 x int8 -> int32 dot, same shapes", i8, (xi, wi))]:
         fn(*args).block_until_ready()
-        out[name] = lambda fn=fn, args=args: [fn(*args) for _ in range(calls)][-1].block_until_ready()
+        out[name] = lambda fn=fn, args=args: call_repeatedly(lambda: fn(*args), calls)
     return out
 
 
@@ -184,7 +190,7 @@ def run(rounds: int, steps: int) -> dict:
                 for _ in range(steps):
                     state["params"], state["opt"], loss = step(state["params"], state["opt"],
                                                                x, y)
-                return jax.block_until_ready(loss)
+                return jax.block_until_ready((state["params"], state["opt"], loss))
 
             fn()  # warm up after the donation changed the buffers
             ready[name] = fn

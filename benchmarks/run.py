@@ -16,7 +16,9 @@ neighbour slows all cases alike; the table reports the median over rounds and
 the minimum. JAX functions are jitted and compiled (warmed up) before timing,
 their inputs are already on the device, and each call is timed up to
 ``block_until_ready()``. Peers (ONNX Runtime, PyTorch, qwix) are optional: a
-missing package gives a "not installed" row.
+missing package gives a "not installed" row. NumPy, ONNX Runtime and PyTorch run
+on the host CPU: on an accelerator their rows get no ratio to the (device) plain
+jnp rows, and the copy limit becomes the device's own copy (``jit(x + 0)``).
 
 Results go to ``<out>/core.json`` and ``<out>/core.md``; see
 ``benchmarks/README.md`` for what each row means.
@@ -36,12 +38,16 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 
+import jax
+
 try:  # python -m benchmarks.run
-    from benchmarks._harness import machine_info, run_rounds, write_report
-    from benchmarks.core_cases import LIMIT_CASE, Case, Inputs, cases
+    from benchmarks._harness import command, machine_info, run_rounds, write_report
+    from benchmarks._peers import THREADS
+    from benchmarks.core_cases import DEVICE_LIMIT_CASE, LIMIT_CASE, Case, Inputs, cases, limit_case
 except ImportError:  # python benchmarks/run.py
-    from _harness import machine_info, run_rounds, write_report
-    from core_cases import LIMIT_CASE, Case, Inputs, cases
+    from _harness import command, machine_info, run_rounds, write_report
+    from _peers import THREADS
+    from core_cases import DEVICE_LIMIT_CASE, LIMIT_CASE, Case, Inputs, cases, limit_case
 
 PEER_PACKAGES = ("jax", "jaxlib", "numpy", "onnxruntime", "onnx", "torch", "qwix")
 
@@ -66,15 +72,24 @@ def prepare(case: Case, inp: Inputs, warmup: int = 2) -> tuple[Callable[[], obje
 
 
 def summarize(selected: Sequence[Case], notes: dict[str, str],
-              times: dict[str, list[tuple[float, int]]], size: int) -> list[dict]:
-    """One result record per case: medians, minima, ratios, bandwidth and page faults."""
+              times: dict[str, list[tuple[float, int]]], size: int,
+              backend: str = "cpu") -> list[dict]:
+    """One result record per case: medians, minima, ratios, bandwidth and page faults.
+
+    Ratios compare cases on the same device only (``Case.device(backend)``): a host
+    peer gets no ratio to a plain jnp row that ran on an accelerator, and the copy
+    limit is `limit_case(backend)`.
+    """
     elements = size * size
     median = {name: statistics.median(t for t, _ in ts) for name, ts in times.items()}
-    limit_bps = 8 * elements / median[LIMIT_CASE] if LIMIT_CASE in median else None
+    limit = limit_case(backend)
+    limit_bps = 8 * elements / median[limit] if limit in median else None
+    device = {c.name: c.device(backend) for c in selected}
     rows = []
     for case in selected:
         row = {"name": case.name, "group": case.group, "status": notes.get(case.name) or "ok",
-               "bytes_moved": int(case.bytes_per_element * elements),
+               "device": device[case.name],
+               "bytes_moved": round(case.bytes_per_element * elements),
                "median_ms": None, "min_ms": None, "ratio_to_plain_jnp": None,
                "ratio_to_copy_limit": None, "gb_per_s": None, "page_faults": None,
                "plain_jnp_case": case.baseline}
@@ -83,9 +98,9 @@ def summarize(selected: Sequence[Case], notes: dict[str, str],
             row.update(median_ms=1e3 * sec, min_ms=1e3 * min(t for t, _ in times[case.name]),
                        gb_per_s=row["bytes_moved"] / sec / 1e9,
                        page_faults=int(statistics.median(f for _, f in times[case.name])))
-            if case.baseline in median:
+            if case.baseline in median and device[case.baseline] == device[case.name]:
                 row["ratio_to_plain_jnp"] = sec / median[case.baseline]
-            if limit_bps:
+            if limit_bps and device[limit] == device[case.name]:
                 row["ratio_to_copy_limit"] = sec / (row["bytes_moved"] / limit_bps)
         rows.append(row)
     return rows
@@ -103,7 +118,9 @@ def markdown(report: dict) -> str:
         f"{report['date']} · {m['cpu']}, {m['cpu_count']} CPUs ({m['platform']}) · "
         f"jax {v['jax']}, numpy {v['numpy']}, onnxruntime {v['onnxruntime']}, "
         f"torch {v['torch']}, qwix {v['qwix']} · {report['size']}x{report['size']} float32, "
-        f"median of {report['repeats']} round-robin rounds",
+        f"median of {report['repeats']} round-robin rounds · "
+        f"`{report['command']}` · JAX on {m['jax_devices']} · host peers with "
+        f"{report['peer_threads']} threads · copy limit: {report['limit_case']}",
         "",
         "| case | group | median ms | min ms | vs plain jnp | vs copy limit | GB/s "
         "| page faults |",
@@ -134,7 +151,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="output folder for core.json and core.md (default benchmarks/results)")
     p.add_argument("--only", default="",
                    help="run only cases whose name or group contains this substring "
-                        "(the copy limit always runs)")
+                        "(the copy limits always run)")
     args = p.parse_args(argv)
     if args.size < 128 or args.size % 128:
         p.error(f"--size must be a positive multiple of 128 (the int4 block), got {args.size}")
@@ -149,8 +166,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter()
     # PyTorch's quantized tensors are deprecated; they are still the reference to beat.
     warnings.filterwarnings("ignore", message=".*quantized tensor creation functions.*")
-    selected = [c for c in cases()
-                if c.name == LIMIT_CASE or args.only in c.name or args.only in c.group]
+    selected = [c for c in cases() if c.name in (LIMIT_CASE, DEVICE_LIMIT_CASE)
+                or args.only in c.name or args.only in c.group]
     inp = Inputs(args.size)
     fns, notes = {}, {}
     for case in selected:
@@ -162,11 +179,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     times = run_rounds(fns, args.repeats)
     report = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "command": command("run", argv),
         "machine": machine_info(PEER_PACKAGES),
         "size": args.size,
         "repeats": args.repeats,
-        "limit_case": LIMIT_CASE,
-        "cases": summarize(selected, notes, times, args.size),
+        "peer_threads": THREADS,
+        "limit_case": limit_case(jax.default_backend()),
+        "cases": summarize(selected, notes, times, args.size, jax.default_backend()),
     }
     report["wall_s"] = round(time.perf_counter() - wall, 1)
     write_report(args.out, "core", report, markdown(report))
