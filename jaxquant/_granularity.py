@@ -66,10 +66,12 @@ def _is_int(v) -> bool:
     return isinstance(v, int | np.integer) and not isinstance(v, bool | np.bool_)
 
 
-def normalize_axis(axis: int, ndim: int, argname: str = "axis") -> int:
-    """Returns ``axis`` as a non-negative Python int, or raises a ValueError naming it."""
+def normalize_axis(axis: int, ndim: int, argname: str = "axis", none_ok: bool = False) -> int:
+    """Returns ``axis`` as a non-negative Python int, or raises a ValueError naming it
+    (``none_ok``: the caller also takes ``None``, and the TypeError says so)."""
     if not _is_int(axis):
-        raise TypeError(f"{argname} must be an int or None, got {axis!r}.")
+        raise TypeError(f"{argname} must be an int{' or None' if none_ok else ''}, got "
+                        f"{axis!r}.")
     axis = int(axis)
     if not -ndim <= axis < ndim:
         raise ValueError(
@@ -114,7 +116,7 @@ def layout_from_args(shape: tuple[int, ...], axis: int | None,
         return Layout("block", normalize_axis(axis, len(shape)), block_size)
     if axis is None:
         return Layout("tensor")
-    return Layout("axis", normalize_axis(axis, len(shape)))
+    return Layout("axis", normalize_axis(axis, len(shape), none_ok=True))
 
 
 def layout_from_scale(

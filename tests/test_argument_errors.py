@@ -156,3 +156,12 @@ def test_a_precision_dot_general_does_not_take_is_refused_on_every_path(call):
     want = np.asarray(call("highest"))
     for p in (["highest", "highest"], ("highest", "highest"), jax.lax.Precision.HIGHEST):
         np.testing.assert_array_equal(np.asarray(call(p)), want)  # a list pair was unhashable
+
+
+def test_pack_axis_error_does_not_offer_none():
+    """``pack(axis=None)`` said "axis must be an int or None, got None"."""
+    q = jq.quantize(W, dtype=jnp.int4, axis=1)
+    with pytest.raises(TypeError, match=r"^axis must be an int, got None\.$"):
+        jq.pack(q, axis=None)
+    with pytest.raises(TypeError, match=r"^axis must be an int or None, got 'x'\.$"):
+        jq.quantize(W, axis="x")
