@@ -82,14 +82,35 @@ def _straight_through_bwd(exact, approx, res, g):
 _straight_through.defvjp(_straight_through_fwd, _straight_through_bwd)
 
 
+def _keep_nan(x: jax.Array, y: jax.Array) -> jax.Array:
+    """``y``, all NaN where ``x`` holds a NaN: the int8 codes of a static scale have none
+    (quantizing gives a NaN the zero code), so the result of one scale per tensor turns
+    NaN as a NaN dynamic per-tensor scale turns it."""
+    return jnp.where(jnp.any(jnp.isnan(x)), jnp.asarray(jnp.nan, y.dtype), y)
+
+
+def _check_static(act: ActSpec) -> None:
+    """A ValueError (`ActSpec.act_quant`'s) unless the codes of ``act``'s static scale are
+    int8 codes: int8, or uint8 around its zero point 128 (``u - 128``: the same codes)."""
+    if act.dtype not in (jnp.int8, jnp.uint8):
+        act.act_quant()
+
+
 def _int8_op(act: ActSpec | None, int_op: Callable, float_op: Callable, lhs, rhs, out):
     """``int_op(lhs, rhs, act_quant)`` for `qdot_general` / `qeinsum`: the input as it is
     with its dynamic `ActQuant` (``None``: weight-only), or its codes of ``act``'s static
-    scale, differentiated straight through as ``float_op`` of the float operands."""
+    scale (a NaN input: all NaN), differentiated straight through as ``float_op`` of the
+    float operands.
+
+    Raises:
+      ValueError: an ``act`` of another format than int8 (static scales: or uint8).
+    """
     if act is None or act.scale is None:
         return int_op(lhs, rhs, None if act is None else act.act_quant())
+    _check_static(act)
     scale = jnp.asarray(act.scale, jnp.float32)
-    exact = lambda a, b: int_op(quantize(a, scale, dtype=jnp.int8), b, ActQuant())
+    exact = lambda a, b: _keep_nan(a, int_op(quantize(a, scale, dtype=jnp.int8), b,
+                                             ActQuant()))
     approx = lambda a, b: float_op(fake_quant(a, scale, dtype=jnp.int8).astype(jnp.float32),
                                    b.dequantize(jnp.float32)).astype(out)
     return _straight_through(exact, approx, lhs, rhs)
@@ -155,6 +176,7 @@ class InferConv(_InferOp):
     its absmax / 127), the kernel needs symmetric integer codes of at most 8
     bits, per tensor or per output feature; gradients pass straight through the
     input's quantization (those of the float convolution of the fake-quantized input).
+    A NaN in the input makes the whole result NaN (one scale per tensor).
 
     Raises:
       ValueError: int8: an input of another rank than the kernel's; a kernel it cannot take.
@@ -177,7 +199,10 @@ class InferConv(_InferOp):
                                    preferred_element_type or lhs.dtype)
 
     def _int8_conv(self, conv, lhs, rhs, dimension_numbers, feature_group_count, out):
-        self.act.act_quant()  # int8 only
+        if self.act.scale is None:
+            self.act.act_quant()  # int8 only
+        else:
+            _check_static(self.act)
         if lhs.ndim != rhs.ndim:
             raise ValueError(f"conv_general_dilated lhs and rhs must have the same number of "
                              f"dimensions, got lhs of shape {lhs.shape} and a kernel of shape "
@@ -202,7 +227,7 @@ class InferConv(_InferOp):
             sv = scale_values(rhs)
             s = sv.reshape(shape) if layout.kind == "axis" else sv.reshape(())
             y = acc.astype(jnp.float32) * x.scale.reshape(()) * s
-            return y.astype(out)
+            return (y if scale is None else _keep_nan(lhs, y)).astype(out)
 
         def approx(lhs, rhs):  # the float convolution of the fake-quantized input
             a = fake_quant(lhs, scale, dtype=jnp.int8).astype(jnp.float32)
