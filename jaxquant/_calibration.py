@@ -191,7 +191,8 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
     skipped; the search and histogram equal PyTorch's (see
     `jaxquant._histogram`) except where PyTorch's float32 error underflows or
     overflows (data below about 1e-13 or above 1e12; it then keeps a sliver
-    of the range), and per-axis observers run one search per entry.
+    of the range, and its histogram of data beyond about 1e35 overflows), and
+    per-axis observers run one search per entry.
 
     Args:
       bins: histogram bins (PyTorch's default 2048).
@@ -284,7 +285,8 @@ def mse(num_candidates: int = 100, *, bins: int = 2048, axis: int | None = None)
     `jaxquant.fake_quant` at the scale that range gives for ``dtype``, and
     keeps the ratio with the least ``sum(count * (fq(center) - center)**2)``
     (the smallest ratio on a tie). ``r = 1`` is `minmax`, so the estimate is
-    never worse than it; the error of a value is estimated at its bin center.
+    never worse than it; the error of a value is estimated at its bin center
+    (on the range scaled by a power of two: the same choice at any magnitude).
 
     Args:
       num_candidates: the number of clip ratios tried.

@@ -16,14 +16,17 @@ histogram per entry of the observed axis, or one for the whole tensor):
 
 PyTorch mixes float32 tensors, float64 scalars and sums, and FMA kernels
 (``torch.linspace``); the scalars that decide a bin are computed here from
-float32 pieces that multiply exactly (x64 off), and `no_fma` keeps XLA from
-fusing a product PyTorch rounds first. Ranges are scaled by exact powers of
-two, so no piece is subnormal (XLA:CPU flushes those) and the search's error,
-a cube of bin widths, neither underflows (data below about 1e-13) nor
-overflows (above 1e12), where PyTorch compares zeros or infinities. Elsewhere
-histograms and ranges equal PyTorch's bit for bit in randomized comparisons
-(hundreds of cases, 16 to 2048 bins), up to ties broken by float32 sums taken
-in another order. Steps that move neither end (up to 1e5) take one bisection.
+float32 pieces that multiply exactly (x64 off, `jaxquant._exact_f32`), and
+`no_fma` keeps XLA from fusing a product PyTorch rounds first. Ranges are
+scaled into ``[1, 2)`` by exact powers of two, so no piece or bin width is
+subnormal (XLA:CPU flushes those), ``(x - min) * bins`` does not overflow
+(PyTorch's does beyond about 1e35), and the search's error, a cube of bin
+widths, neither underflows (data below about 1e-13) nor overflows (above
+1e12), where PyTorch compares zeros or infinities; `mse_range`'s squared
+errors likewise. Elsewhere histograms and ranges equal PyTorch's bit for bit
+in randomized comparisons (hundreds of cases, 16 to 2048 bins), up to ties
+broken by float32 sums taken in another order. Steps that move neither end
+(up to 1e5) take one bisection.
 """
 
 from __future__ import annotations
@@ -35,9 +38,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxquant._exact_f32 import cumsum, exact_sum, fma_int, no_fma, pieces8, power_of_two, split
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import Format
-from jaxquant._rounding import divide, exponent, pow2
+from jaxquant._rounding import divide
 from jaxquant._scales import scale_from_range
 
 __all__ = ["HistogramState", "as_rows", "no_fma", "update", "search_range", "percentile_range",
@@ -63,75 +67,27 @@ class HistogramState(NamedTuple):
     max: jax.Array
 
 
-def no_fma(p: jax.Array) -> jax.Array:
-    """``p`` (NaN included), hidden by a select from XLA:CPU's FMA contraction of a following
-    add: PyTorch's separate tensor ops round the product first."""
-    return jnp.where(p == p, p, _F32(jnp.nan))
-
-
-def _split(a: jax.Array, mask: int) -> tuple[jax.Array, jax.Array]:
-    """``a == hi + lo`` exactly, ``hi`` keeping the bits under ``mask``."""
-    hi = lax.bitcast_convert_type(lax.bitcast_convert_type(a, jnp.uint32) & jnp.uint32(mask), _F32)
-    return hi, a - hi
-
-
-def _pieces8(a: jax.Array) -> tuple[jax.Array, ...]:
-    """Three floats of at most 8 significant bits summing exactly to ``a``."""
-    a1, r = _split(a, 0xFFFF0000)
-    a2, a3 = _split(r, 0xFFFF0000)
-    return a1, a2, a3
-
-
-def _exact_sum(*terms: jax.Array) -> jax.Array:
-    """``sum(terms)`` rounded once (cascaded TwoSum; exact for the few-bit terms used here)."""
-    s, err = terms[0], _F32(0)
-    for t in terms[1:]:
-        new = s + t
-        bb = new - s
-        err = err + ((s - (new - bb)) + (t - bb))
-        s = new
-    return s + err
-
-
-def _cumsum(x: jax.Array) -> jax.Array:
-    """``cumsum`` of a 1-D ``x``, each prefix rounded once to float32, as ``torch.cumsum``
-    (which accumulates in float64): a sequential scan carrying ``hi + lo`` exactly."""
-    def add(carry, v):
-        hi, lo = carry
-        s = hi + v
-        bb = s - hi
-        lo = lo + ((hi - (s - bb)) + (v - bb))
-        out = s + lo
-        return (out, lo - (out - s)), out
-
-    return lax.scan(add, (_F32(0), _F32(0)), x)[1]
-
-
-def _fma_int(a: jax.Array, n: jax.Array, c: jax.Array) -> jax.Array:
-    """``round(a * n + c)`` with one rounding, for integer-valued ``0 <= n < 2**16``."""
-    return _exact_sum(c, *(p * n for p in _pieces8(a)))
-
-
 def _linspace(start: jax.Array, end: jax.Array, steps: int) -> jax.Array:
     """``torch.linspace`` per group, ``(G,) -> (G, steps)``, rounded as its FMA kernel."""
     start, end = start[:, None], end[:, None]
     step = divide(end - start, _F32(steps - 1))
     idx = jnp.arange(steps, dtype=_F32)[None]
-    low = _fma_int(step, idx, start)
-    high = _fma_int(-step, _F32(steps - 1) - idx, end)
+    low = fma_int(step, idx, start)
+    high = fma_int(-step, _F32(steps - 1) - idx, end)
     return jnp.where(idx < steps // 2, low, high)
 
 
-def _power_of_two(m: jax.Array, low: int) -> jax.Array:
-    """``2**k`` taking ``|m|`` into ``[1, 2)``, ``k`` in ``[low, 126]`` (``2**low``: inf, NaN)."""
-    k = -exponent(m)
-    return pow2(jnp.where(jnp.isfinite(m), jnp.clip(k, low, 126), low))
-
-
-def _bin_index(x: jax.Array, lo: jax.Array, hi: jax.Array, bins: int) -> jax.Array:
-    """The ``torch.histc`` bin of ``x`` over ``[lo, hi]`` (``bins // 2`` if ``lo == hi``)."""
+def _bin_index(x: jax.Array, lo: jax.Array, hi: jax.Array, bins: int,
+               point: jax.Array | int) -> jax.Array:
+    """The ``torch.histc`` bin of ``x`` over ``[lo, hi]`` (``point`` if ``lo == hi``)."""
     pos = jnp.clip(jnp.floor(divide((x - lo) * _F32(bins), hi - lo)), 0, bins - 1)
-    return jnp.where(lo == hi, bins // 2, pos).astype(jnp.int32)
+    return jnp.where(lo == hi, point, pos.astype(jnp.int32))
+
+
+def _point_bin(v: jax.Array, bins: int) -> jax.Array:
+    """``torch.histc``'s bin for the values of a range ``[v, v]``: it bins them over
+    ``[v - 1, v + 1]`` (float32 ends; ``bins // 2`` once both round to ``v``)."""
+    return _bin_index(v, v - 1, v + 1, bins, bins // 2)
 
 
 def _bincount(idx: jax.Array, weights: jax.Array, bins: int) -> jax.Array:
@@ -181,14 +137,15 @@ def update(state: HistogramState, x: jax.Array) -> HistogramState:
     same = (new_min == state.min) & (new_max == state.max)
     point = state.min == state.max
     grow = seen & ~fresh & ~same & ~point
-    # Small ranges scaled up into [1, 2) (exact): no subnormal piece in `_linspace`.
-    f = _power_of_two(jnp.maximum(jnp.abs(new_min), jnp.abs(new_max)), 0)
+    # Ranges scaled into [1, 2) (exact): no subnormal piece in `_linspace`, and no
+    # `(x - min) * bins` overflows (PyTorch's does beyond about 1e35).
+    f = power_of_two(jnp.maximum(jnp.abs(new_min), jnp.abs(new_max)))
     old_lo, old_hi, lo, hi = state.min * f, state.max * f, new_min * f, new_max * f
-    batch = _bincount(_bin_index(x * f[:, None], lo[:, None], hi[:, None], bins),
-                      finite.astype(_F32), bins)
+    batch = _bincount(_bin_index(x * f[:, None], lo[:, None], hi[:, None], bins,
+                                 _point_bin(new_min, bins)[:, None]), finite.astype(_F32), bins)
     upscaled = lax.cond(jnp.any(grow), lambda: _upscale(state.hist, old_lo, old_hi, lo, hi),
                         lambda: jnp.zeros_like(state.hist))
-    one = _bin_index(old_lo, lo, hi, bins)[:, None] == jnp.arange(bins)[None]
+    one = _bin_index(old_lo, lo, hi, bins, bins // 2)[:, None] == jnp.arange(bins)[None]
     single = jnp.where(one, jnp.sum(state.hist, axis=1, keepdims=True), _F32(0))
     moved = jnp.where(point[:, None], single, upscaled)
     old = jnp.where(fresh[:, None], _F32(0), jnp.where(same[:, None], state.hist, moved))
@@ -206,11 +163,11 @@ def _fraction(total: jax.Array, k: jax.Array) -> jax.Array:
     ``alpha`` is a float64 multiple of 1e-5; the product must be rounded once.
     """
     k_hi, k_lo = (k >> 9).astype(_F32) * _F32(512), (k & 511).astype(_F32)
-    t_hi, t_lo = _split(total, 0xFFFFF000)
+    t_hi, t_lo = split(total, 0xFFFFF000)
     terms = (t_hi * k_hi, t_hi * k_lo, t_lo * k_hi, t_lo * k_lo)  # all exact
-    q = divide(_exact_sum(*terms), _F32(_STEPS))
-    q_hi, q_lo = _split(q, 0xFFFFF000)
-    rest = _exact_sum(*terms, -(q_hi * _F32(3125)) * _F32(32), -(q_lo * _F32(3125)) * _F32(32))
+    q = divide(exact_sum(*terms), _F32(_STEPS))
+    q_hi, q_lo = split(q, 0xFFFFF000)
+    rest = exact_sum(*terms, -(q_hi * _F32(3125)) * _F32(32), -(q_lo * _F32(3125)) * _F32(32))
     return q + divide(rest, _F32(_STEPS))
 
 
@@ -224,7 +181,7 @@ def _error(hist, width, span, span_err, start, end, dst):
     bins = hist.shape[0]
     n = (end - start + 1).astype(_F32)
     # float32(span * n / (bins * dst)), span = max - min exactly (span + span_err).
-    dst_width = divide(_exact_sum(*(p * n for p in (*_pieces8(span), *_pieces8(span_err)))),
+    dst_width = divide(exact_sum(*(p * n for p in (*pieces8(span), *pieces8(span_err)))),
                        _F32(bins * dst))
     half = dst_width / 2
     begin = no_fma((jnp.arange(bins, dtype=jnp.int32) - start).astype(_F32) * width)
@@ -241,13 +198,13 @@ def _error(hist, width, span, span_err, start, end, dst):
 def _search_one(hist, lo, hi, dst):
     """``HistogramObserver._non_linear_param_search`` for one group."""
     bins = hist.shape[0]
-    csum = _cumsum(hist)
+    csum = cumsum(hist)
     total = csum[-1]
     span = hi - lo
     span_err = (hi - (span - (span - hi))) + (-lo - (span - hi))  # TwoSum: hi - lo exactly
-    width = divide(span, _F32(bins))
-    f = _power_of_two(span, -126)  # the errors of a span in [1, 2): all normal numbers
-    span_f, span_err_f, width_f = span * f, span_err * f, width * f
+    f = power_of_two(span)  # the errors of a span in [1, 2): all normal numbers
+    span_f, span_err_f = span * f, span_err * f
+    width_f = divide(span_f, _F32(bins))  # the width itself may be subnormal (flushed)
 
     def first_beta_move(ka, kb, start, end):
         # While l == start and r == end PyTorch only steps beta; jump to the
@@ -290,8 +247,8 @@ def _search_one(hist, lo, hi, dst):
     i0 = jnp.int32(0)
     _, _, start, end, _, _ = lax.while_loop(
         cond, body, (i0, i0, i0, jnp.int32(bins - 1), _F32(jnp.inf), skip))
-    new_lo = lo + no_fma(width * start.astype(_F32))
-    new_hi = lo + no_fma(width * (end + 1).astype(_F32))
+    new_lo = (lo * f + no_fma(width_f * start.astype(_F32))) / f
+    new_hi = (lo * f + no_fma(width_f * (end + 1).astype(_F32))) / f
     return jnp.where(skip, lo, new_lo), jnp.where(skip, hi, new_hi)
 
 
@@ -325,7 +282,7 @@ def as_rows(state: HistogramState) -> HistogramState:
 
 def _percentile_one(hist, lo, hi, qs):
     bins = hist.shape[0]
-    csum = _cumsum(hist)
+    csum = cumsum(hist)
     n = csum[-1]
     width = divide(hi - lo, _F32(bins))
 
@@ -359,7 +316,9 @@ def percentile_range(state: HistogramState, q: jax.Array) -> tuple[jax.Array, ja
       ``(lo, hi)`` of shape ``(G,)``.
     """
     qs = jnp.stack([_F32(100) - q, q]).astype(_F32)
-    out = jax.vmap(lambda h, a, b: _percentile_one(h, a, b, qs))(state.hist, state.min, state.max)
+    f = power_of_two(jnp.maximum(jnp.abs(state.min), jnp.abs(state.max)))  # no subnormal width
+    out = jax.vmap(lambda h, a, b: _percentile_one(h, a, b, qs))(
+        state.hist, state.min * f, state.max * f) / f[:, None]
     valid = state.min < state.max  # else: one value, nothing seen (inf, -inf), or NaN
     return jnp.where(valid, out[:, 0], state.min), jnp.where(valid, out[:, 1], state.max)
 
@@ -384,13 +343,16 @@ def mse_range(state: HistogramState, fmt: Format, symmetric: bool,
       ``(lo, hi)`` of shape ``(G,)``.
     """
     hist, lo, hi = state
-    width = divide(hi - lo, _F32(hist.shape[1]))
+    # Errors of ranges scaled into [1, 2) (exact): squares that neither underflow nor overflow.
+    f = power_of_two(jnp.maximum(jnp.abs(lo), jnp.abs(hi)))
+    lo_f, hi_f = lo * f, hi * f
+    width = divide(hi_f - lo_f, _F32(hist.shape[1]))
     idx = jnp.arange(hist.shape[1], dtype=_F32)[None]
-    centers = lo[:, None] + no_fma(width[:, None] * (idx + _F32(0.5)))
+    centers = lo_f[:, None] + no_fma(width[:, None] * (idx + _F32(0.5)))
 
     def error(k):
         r = divide((k + 1).astype(_F32), _F32(num_candidates))
-        scale, zero_point = scale_from_range(lo * r, hi * r, fmt, symmetric)
+        scale, zero_point = scale_from_range(lo_f * r, hi_f * r, fmt, symmetric)
         fq = fake_quant(centers, scale, zero_point, dtype=fmt.name, axis=0)
         return jnp.sum(hist * jnp.square(fq - centers), axis=1)
 
