@@ -137,9 +137,10 @@ def test_histogram_search_for_int4_is_torchs_with_16_levels(dtype, tdtype, qmin,
 @pytest.mark.parametrize("value", [0.75, -3.0, 1e8, -3e38])
 @pytest.mark.parametrize("bins", [15, 16])
 def test_histogram_of_a_constant_is_torchs(value, bins):
-    """``torch.histc`` over an empty range ``[v, v]`` puts every value in bin ``bins // 2``,
-    at any magnitude. ``v - 1``/``v + 1`` are ``v`` in float32 once ``|v| >= 2**24``: the
-    constant must not fall out of the middle bin (it landed in bin 0)."""
+    """``torch.histc`` over an empty range ``[v, v]`` bins the values over ``[v - 1, v + 1]``
+    in float32 (mostly bin ``bins // 2``, sometimes the one below). ``v - 1``/``v + 1`` are
+    ``v`` once ``|v| >= 2**24``: the constant must not fall out of the middle (it landed in
+    bin 0)."""
     torch = pytest.importorskip("torch")
     batches = [np.full(10, value, np.float32), np.full(3, value, np.float32)]
     ref = _torch_observe(torch.ao.quantization.HistogramObserver(bins=bins), batches)
