@@ -32,7 +32,14 @@ from jaxquant._decoding import build, placements, sharding_of, verify
 from jaxquant._header import is_jaxquant, plan, read_header, storage
 from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
-from jaxquant._serialization import HEADER_KEY, ST_CODES, encode, header_metadata
+from jaxquant._serialization import (
+    HEADER_KEY,
+    ST_CODES,
+    encode,
+    header_metadata,
+    rebox_records,
+    unbox_records,
+)
 
 __all__ = ["save_safetensors", "load_safetensors", "save_orbax", "load_orbax"]
 
@@ -183,7 +190,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
         if key not in stored:
             raise ValueError(f"{where}: tensor {key!r} of the header is missing from the file: "
                              f"corrupted or edited file.")
-    items, treedef = plan(header, target, where)
+    items, treedef = plan(header, unbox_records(target), where)
     codes = {c: name for name, c in ST_CODES.items()}
 
     def get(key):
@@ -193,7 +200,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
         return np.frombuffer(v["data"], storage(spec)[0]).reshape(storage(spec)[1])
 
     with progress_bar(total=len(stored), enabled=progress, desc="loading", unit="tensor") as bar:
-        return build(where, header, items, treedef, get)
+        return rebox_records(target, build(where, header, items, treedef, get))
 
 
 def _plain_header(where: str, stored: dict[str, tuple[str, list[int]]]) -> dict:
@@ -326,7 +333,7 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
     where = os.path.abspath(directory)
     with ocp.StandardCheckpointer() as ckptr:
         header = _orbax_header(ckptr, where)
-        items, treedef = plan(header, target, where)
+        items, treedef = plan(header, unbox_records(target), where)
         specs = header["tensors"]
         hints = {}
         for path, entry, t in items:
@@ -352,4 +359,4 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
         return x
 
     with progress_bar(total=len(specs), enabled=progress, desc="loading", unit="tensor") as bar:
-        return build(where, header, items, treedef, get)
+        return rebox_records(target, build(where, header, items, treedef, get))

@@ -30,7 +30,7 @@ from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import is_record, path_str
 
 __all__ = ["encode", "header_metadata", "crc32", "block_size_of", "join", "padding_bits",
-           "ST_CODES", "HEADER_KEY"]
+           "rebox_records", "unbox_records", "ST_CODES", "HEADER_KEY"]
 
 FORMAT_NAME = "jaxquant.checkpoint"
 FORMAT_VERSION = 2  # 2: codebook QTensors and QTensor scales (two-level); reads 1 and 2
@@ -99,6 +99,45 @@ def padding_bits(spec: dict, stored: np.ndarray) -> np.ndarray:
     group = np.moveaxis(stored, axis, 0)[-width:].astype(np.uint32)
     value = sum(group[i] << (8 * i) for i in range(width))
     return value >> (bits * used)
+
+
+# --- boxed records -----------------------------------------------------------------------
+
+
+def _unbox(x):
+    """A `QTensor` or `PackedArray` with each array taken out of the one-leaf pytree that
+    wraps it (Flax's ``nn.Partitioned``, which ``quantize_params`` of a partitioned linen
+    kernel puts around each array of its QTensor); ``x`` itself when nothing is wrapped."""
+    if is_record(x):  # a PackedArray has a shape and a dtype too
+        children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
+        plain = [_unbox(c) for c in children]
+        changed = any(p is not c for p, c in zip(plain, children, strict=True))
+        return treedef.unflatten(plain) if changed else x
+    if x is None or _is_arraylike(x):
+        return x
+    leaves = jax.tree_util.tree_leaves(x)
+    return leaves[0] if len(leaves) == 1 and _is_arraylike(leaves[0]) else x
+
+
+def unbox_records(tree: Any) -> Any:
+    """``tree`` with the arrays of its QTensor and PackedArray leaves unwrapped (`_unbox`):
+    what is saved of a boxed QTensor, and the target a boxed target is loaded as."""
+    return jax.tree_util.tree_map(_unbox, tree, is_leaf=is_record)
+
+
+def rebox_records(target: Any, tree: Any) -> Any:
+    """``tree``, loaded into ``unbox_records(target)``, with the wrappers of ``target``'s
+    QTensor and PackedArray leaves put back around their arrays."""
+    if target is None:
+        return tree
+
+    def rebox(t, x):
+        if not is_record(t) or _unbox(t) is t:
+            return x
+        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(t),
+                                            jax.tree_util.tree_leaves(x))
+
+    return jax.tree_util.tree_map(rebox, target, tree, is_leaf=is_record)
 
 
 # --- tree -> tensors + header ------------------------------------------------------------
@@ -218,7 +257,7 @@ def encode(tree: Any, *, to_host: bool,
         if on_tensor is not None:
             on_tensor()
 
-    flat, _ = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)
+    flat, _ = jax.tree_util.tree_flatten_with_path(unbox_records(tree), is_leaf=is_record)
     for p, leaf in flat:
         path = path_str(p)
         if path in leaves:

@@ -4,18 +4,21 @@ A kernel's mesh-axis names (linen ``nn.with_partitioning``, nnx
 ``out_sharding`` metadata) name the kernel's axes. Its QTensor holds arrays of
 other ranks: the codes take the kernel's names, the scales (and zero points)
 those of the axes they vary along: none per tensor, the channel axis's per
-channel, all of them for blocks and tiles (same rank as the kernel).
+channel, all of them for blocks and tiles (same rank as the kernel). In nnx the
+QTensor kernel is held by a `QuantizedParam`.
 """
 
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
-from jax.sharding import PartitionSpec
+from flax import nnx
+from flax.typing import MISSING
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxquant._qtensor import QTensor, is_qtensor
 
-__all__ = ["box_qtensor", "leaf_names", "qtensor_pspec"]
+__all__ = ["QuantizedParam", "box_qtensor", "keep_sharding", "leaf_names", "qtensor_pspec"]
 
 
 def _scale_names(qt: QTensor, names: tuple, extra: int) -> tuple:
@@ -63,3 +66,55 @@ def qtensor_pspec(qt: QTensor, spec: PartitionSpec, extra: int = 0) -> QTensor:
     leaves, treedef = jax.tree.flatten(qt)
     return jax.tree.unflatten(treedef, [PartitionSpec(*n)
                                         for n in leaf_names(qt, tuple(spec), extra)])
+
+
+class QuantizedParam(nnx.Param):
+    """The ``nnx.Param`` of a QTensor kernel (made by `jaxquant.flax.nnx_quantize`).
+
+    ``nnx.get_partition_spec`` (and ``get_named_sharding``) give it one spec per
+    array of the QTensor: the codes the kernel's ``out_sharding``, the scales
+    those of their own axes (the channel axis's, per channel). Where Flax gives
+    it an abstract value of the kernel's shape and dtype (``nnx.eval_shape`` under
+    ``jax.set_mesh``, ``nnx.as_abstract``), it keeps an abstract QTensor, each array
+    with its own spec on that mesh, so that a checkpoint loads into it. Metadata
+    ``stacked``: the leading axes of ``nnx.vmap``-made layers.
+    """
+
+    def _qtensor_of(self, value):
+        """``value``, or for a ShapeDtypeStruct of the held QTensor's shape and dtype, the
+        QTensor of ShapeDtypeStructs, each array on its spec of ``value``'s mesh."""
+        raw = self.get_raw_value()
+        if not (is_qtensor(raw) and isinstance(value, jax.ShapeDtypeStruct)
+                and (tuple(value.shape), value.dtype) == (tuple(raw.shape), raw.dtype)):
+            return value
+        leaves, treedef = jax.tree.flatten(raw)
+        sharding = value.sharding
+        if isinstance(sharding, NamedSharding):
+            names = leaf_names(raw, tuple(sharding.spec), self.get_metadata().get("stacked", 0))
+            shardings = [NamedSharding(sharding.mesh, PartitionSpec(*n)) for n in names]
+        else:
+            shardings = [None] * len(leaves)
+        return jax.tree.unflatten(treedef, [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+                                            for a, s in zip(leaves, shardings, strict=True)])
+
+    def set_value(self, value, **kwargs):
+        return super().set_value(self._qtensor_of(value), **kwargs)
+
+    def copy(self, value=MISSING, **updates):
+        raw = self.get_raw_value()
+        if isinstance(value, PartitionSpec) and is_qtensor(raw):
+            value = qtensor_pspec(raw, value, self.get_metadata().get("stacked", 0))
+        return super().copy(self._qtensor_of(value), **updates)
+
+    replace = copy
+
+
+def keep_sharding(layer, name: str, var, extra: int) -> None:
+    """Swaps ``var``, the ``nnx.Param`` ``name`` of ``layer`` (holding a QTensor now), for a
+    `QuantizedParam` with its metadata; ``extra``: leading stacked-layer axes."""
+    metadata = var.get_metadata(exclude_required=True)
+    if type(var) is nnx.Param:
+        metadata.update(stacked=extra)
+        if metadata.get("out_sharding"):
+            metadata.update(eager_sharding=False)  # placed as the float kernel
+        setattr(layer, name, QuantizedParam(var.get_raw_value(), **metadata))

@@ -18,12 +18,10 @@ import jax
 import numpy as np
 from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype as nnx_promote_dtype
-from flax.typing import MISSING
-from jax.sharding import PartitionSpec
 
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
-from jaxquant.flax._boxes import qtensor_pspec
+from jaxquant.flax._boxes import QuantizedParam, keep_sharding
 from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel, live_grams
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
 from jaxquant.flax._nnx_graph import covered_layers, layer_paths
@@ -74,32 +72,6 @@ class LearnedScale(nnx.Module):
     def __call__(self, *args, **kwargs):
         fn = dataclasses.replace(self.promote, scale=lambda _: self.values())
         return fn(*args, **kwargs)
-
-
-class QuantizedParam(nnx.Param):
-    """The ``nnx.Param`` of a QTensor kernel whose float kernel had ``out_sharding``.
-
-    ``nnx.get_partition_spec`` (and ``get_named_sharding``) give it one spec per
-    array of the QTensor (`jaxquant.flax._boxes`): the codes the kernel's, the
-    scales those of their own axes (the channel axis's, per channel). Metadata
-    ``stacked``: the leading axes of ``nnx.vmap``-made layers.
-    """
-
-    def copy(self, value=MISSING, **updates):
-        raw = self.get_raw_value()
-        if isinstance(value, PartitionSpec) and is_qtensor(raw):
-            value = qtensor_pspec(raw, value, self.get_metadata().get("stacked", 0))
-        return super().copy(value, **updates)
-
-    replace = copy
-
-
-def _keep_sharding(layer, var, extra: int) -> None:
-    """Swaps ``var`` (holding a QTensor now) for a `QuantizedParam` if it is sharded."""
-    metadata = var.get_metadata(exclude_required=True)
-    if metadata.get("out_sharding") and type(var) is nnx.Param:
-        metadata.update(stacked=extra, eager_sharding=False)  # placed as the float kernel
-        setattr(layer, _kernel_name(layer), QuantizedParam(var.get_raw_value(), **metadata))
 
 
 def _kernel_name(layer) -> str:
@@ -383,7 +355,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             else:
                 kernel = _quantize_kernel(path, kernel, spec, hook, extra)
             var.set_value(kernel)
-        _keep_sharding(layer, var, extra)
+        keep_sharding(layer, _kernel_name(layer), var, extra)
         act, where = cfg.act, f"layer {path!r} ({type(layer).__name__})"
         if isinstance(layer, nnx.Embed):
             layer.promote_dtype = nnx.static(InferPromote(_own_promote(layer), act, True))
