@@ -11,6 +11,7 @@ computes jaxquant's codes and scales bit for bit, and that timed calls are waite
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import pathlib
 import sys
@@ -50,8 +51,8 @@ def built_cases():
         for case in core_cases.cases():
             if case.requires in core_cases.HOST_PACKAGES or case.name == core_cases.LIMIT_CASE:
                 continue
-            if case.requires == "qwix":
-                pytest.importorskip("qwix")
+            if case.requires == "qwix" and importlib.util.find_spec("qwix") is None:
+                continue  # a peer not installed here: its rows only
             recorded.clear()
             call = case.build(inputs)
             if "args" in recorded:  # the donated rows keep their own state
@@ -60,6 +61,7 @@ def built_cases():
 
 
 def test_qwix_rows_get_the_granularity_of_their_jaxquant_rows(built_cases):
+    pytest.importorskip("qwix")  # the peer (not a test extra)
     # qwix.quantize(x, int4, tiled_axes={1: 128}) alone shares one scale over every row of a
     # 128-column stripe: 4 scales here where jaxquant's blocks of 128 along the rows have 2048
     peers = [name for name, (case, _, _) in built_cases.items() if case.requires == "qwix"]
