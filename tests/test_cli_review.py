@@ -11,18 +11,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from cli_checks import one_error as _one_error
 
 import jaxquant as jq
 from jaxquant import _cli, _demo
 
 safetensors_numpy = pytest.importorskip("safetensors.numpy")
-
-
-def _one_error(capsys, command: str, pattern: str) -> None:
-    """stdout empty, stderr one line ``jaxquant COMMAND: error: ...`` matching ``pattern``."""
-    out, err = capsys.readouterr()
-    assert out == "" and err.count("\n") == 1, err
-    assert err.startswith(f"jaxquant {command}: error: ") and re.search(pattern, err), err
 
 
 @pytest.fixture

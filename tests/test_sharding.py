@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from host_mesh import cpu_normal as _x
 from host_mesh import host_mesh
+from host_mesh import spec_of as _spec
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -27,21 +29,6 @@ def _mesh(axis_type=jax.sharding.AxisType.Explicit):
 def mesh():
     """JAX's default mesh: explicit axes (shardings are part of the types)."""
     return _mesh()
-
-
-def _x(*shape, seed=0):
-    """Random normal float32 on the first CPU device (where the one-device references run)."""
-    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    return jax.device_put(x, jax.devices("cpu")[0])
-
-
-def _spec(a) -> P:
-    """The PartitionSpec of an array (or a PackedArray's bytes), trailing Nones dropped."""
-    a = a.data if isinstance(a, jq.PackedArray) else a
-    parts = list(a.sharding.spec)
-    while parts and parts[-1] is None:
-        parts.pop()
-    return P(*parts)
 
 
 # (leaf spec, QuantSpec, expected codes spec, expected scale spec)

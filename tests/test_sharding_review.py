@@ -9,27 +9,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from host_mesh import cpu_normal as _x
 from host_mesh import host_mesh
+from host_mesh import spec_of as _spec
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 
 Explicit = jax.sharding.AxisType.Explicit
-
-
-def _x(*shape, seed=0):
-    x = np.random.default_rng(seed).standard_normal(shape).astype(np.float32)
-    return jax.device_put(x, jax.devices("cpu")[0])
-
-
-def _spec(a) -> P:
-    """The PartitionSpec of an array (or a PackedArray's bytes), trailing Nones dropped."""
-    a = a.data if isinstance(a, jq.PackedArray) else a
-    parts = list(a.sharding.spec)
-    while parts and parts[-1] is None:
-        parts.pop()
-    return P(*parts)
 
 
 def _bits(a) -> np.ndarray:
