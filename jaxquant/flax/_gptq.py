@@ -25,7 +25,7 @@ from jaxquant._packing import pack
 from jaxquant._qtensor import QTensor
 from jaxquant._schemes import SCHEMES
 from jaxquant._tree import QuantSpec
-from jaxquant.flax._rules import QuantConfig, select
+from jaxquant.flax._rules import QuantConfig, layer_errors, select
 
 __all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "linen_input_grams",
            "live_grams", "record_gram"]
@@ -168,9 +168,7 @@ def gptq_kernel(kernel: jax.Array, gram: jax.Array, spec: QuantSpec, path: str) 
     if kernel.ndim != 2:
         raise ValueError(f"grams[{path!r}] cannot be used: the kernel is stacked (shape "
                          f"{kernel.shape}), not (in, out).")
-    try:
+    with layer_errors(f"grams[{path!r}] cannot be used"):
         qt = gptq(kernel, gram, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
                   symmetric=spec.symmetric)
-    except (TypeError, ValueError) as e:
-        raise type(e)(f"grams[{path!r}] cannot be used: {e}") from None
     return pack(qt) if spec.packed else qt
