@@ -37,7 +37,7 @@ from jaxquant._qtensor import (
 )
 from jaxquant._rounding import NAN_CODES, quotient, round_to_codes, scale_factors
 from jaxquant._scale_formats import ScaleOptions, group_absmax, scale_options, store_scale
-from jaxquant._scales import compute_scale
+from jaxquant._scales import compute_scale, scale_from_range
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
 
@@ -292,10 +292,14 @@ def scale_values_of(scale) -> jax.Array:
 def computed_scale(x: jax.Array, fmt: Format, layout: Layout, symmetric: bool,
                    options: ScaleOptions):
     """(stored scale, its float32 values, zero point) chosen from ``x`` (traceable)."""
-    scale, zero_point = compute_scale(x, fmt, layout, symmetric)
     if options.plain:
+        scale, zero_point = compute_scale(x, fmt, layout, symmetric)
         return scale, scale, zero_point
     amax = group_absmax(jax.lax.stop_gradient(x.astype(jnp.float32)), layout)
+    if symmetric or not fmt.is_integer:  # one pass over x: the scale from the same maxima
+        scale, zero_point = scale_from_range(amax, amax, fmt, symmetric=True)
+    else:
+        scale, zero_point = compute_scale(x, fmt, layout, symmetric)
     stored, values = store_scale(scale, amax, fmt, options)
     return stored, values, zero_point
 

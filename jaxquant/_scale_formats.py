@@ -142,12 +142,29 @@ def _half_top_gap(fmt: Format) -> tuple[float, bool]:
 def group_absmax(x: jax.Array, layout: Layout) -> jax.Array:
     """``max(|x|)`` of each group of float32 ``x``, NaN for a group holding one.
 
-    Reduced over the bits (ordered as the magnitudes for non-negative floats,
-    NaN above inf): XLA:CPU's float ``max`` reads subnormals as zero, which
-    would give a group of subnormals the scale of an all-zero group.
+    One pass over memory: a reduction of ``|x|`` per tensor or axis, and
+    ``max(-min, max)`` over blocks and tiles (XLA:CPU writes ``|x|`` out to
+    memory for a blocked reduction of it). XLA:CPU's float comparisons read
+    subnormals as zero, so there, groups whose maximum reads as zero are reduced
+    again over the bits (ordered as the magnitudes): a group of subnormals gets
+    its true maximum, not the scale 1 of an all-zero group.
     """
-    magnitude = f32_bits(x) & 0x7FFFFFFF
-    return jax.lax.bitcast_convert_type(group_reduce(magnitude, layout, jnp.max), jnp.float32)
+    if layout.kind in ("tensor", "axis"):
+        amax = group_reduce(jnp.abs(x), layout, jnp.max)
+    else:
+        amax = jnp.maximum(-group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max))
+
+    def exact_on_cpu(amax, x):
+        def from_bits():
+            magnitude = group_reduce(f32_bits(x) & 0x7FFFFFFF, layout, jnp.max)
+            return jnp.where(amax == 0, magnitude, f32_bits(amax))
+        return jax.lax.cond(jnp.any(amax == 0), from_bits, lambda: f32_bits(amax))
+
+    # Handed on as int32 bits: LLVM folds a test of the bits of a float32 loaded as
+    # float back into a float comparison, which reads subnormals as zero again.
+    magnitude = jax.lax.platform_dependent(amax, x, cpu=exact_on_cpu,
+                                           default=lambda amax, x: f32_bits(amax))
+    return jax.lax.bitcast_convert_type(magnitude, jnp.float32)
 
 
 def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
