@@ -29,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxquant._decoding import build, placements, sharding_of, verify
-from jaxquant._header import is_jaxquant, plan, read_header, storage
+from jaxquant._header import is_jaxquant, layout_problem, plan, read_header, storage
 from jaxquant._packing import PackedArray
 from jaxquant._progress import progress_bar
 from jaxquant._serialization import (
@@ -42,6 +42,8 @@ from jaxquant._serialization import (
 )
 
 __all__ = ["save_safetensors", "load_safetensors", "save_orbax", "load_orbax"]
+
+_RESERVED = "__metadata__"  # the safetensors header's key for the metadata, no tensor's name
 
 
 def _save_bar(tree: Any, progress: bool):
@@ -92,8 +94,10 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
     Raises:
       FileNotFoundError: the directory of ``path`` does not exist.
       TypeError: a leaf that is not an array, or bad ``metadata``.
-      ValueError: two leaves whose paths (or tensor names) coincide; a reserved
-        metadata key; packed codes with nonzero padding bits in their last byte.
+      ValueError: two leaves whose paths (or tensor names) coincide; a leaf at the path
+        ``"__metadata__"`` (safetensors' name for the metadata); a reserved metadata key;
+        packed codes with nonzero padding bits in their last byte; 6-bit codebook codes
+        of 64 or more.
 
     Example:
       >>> import tempfile, jax.numpy as jnp, jaxquant as jq
@@ -111,6 +115,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
         raise FileNotFoundError(f"{path}: no directory {parent!r} to write the file into.")
     with _save_bar(tree, progress) as bar:
         header, tensors = encode(tree, to_host=True, on_tensor=bar.update)
+        if _RESERVED in tensors:  # its entry in the file's JSON would be the metadata's
+            raise ValueError(f"tree key {_RESERVED!r}: safetensors reserves that tensor name for "
+                             f"the file's metadata, so the file could not be read; rename it.")
         meta = header_metadata(header, metadata)
         tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
         bar.set_postfix_str("writing")
@@ -177,7 +184,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
             stored = dict(safetensors.deserialize(f.read()))
     except safetensors.SafetensorError as e:
         raise ValueError(f"{where}: not a valid safetensors file (truncated or corrupted): "
-                         f"{e}") from e
+                         f"{e}{layout_problem(where)}") from e
     if allow_plain and not is_jaxquant(meta):
         header = _plain_header(where, {k: (v["dtype"], v["shape"]) for k, v in stored.items()})
     else:
@@ -233,7 +240,7 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
     Raises:
       TypeError: a leaf that is not an array, or bad ``metadata``.
       ValueError: two leaves whose paths coincide; a reserved metadata key; packed codes
-        with nonzero padding bits in their last byte.
+        with nonzero padding bits in their last byte; 6-bit codebook codes of 64 or more.
       FileExistsError: ``directory`` exists already (checked before any work).
 
     Example:
@@ -338,7 +345,10 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
         hints = {}
         for path, entry, t in items:
             for key, child in placements(path, entry, t).items():
-                stored_as_is = specs[key]["encoding"] == "raw" or isinstance(child, PackedArray)
+                # raw and bitcast tensors have the target's shape (a bitcast's codes on
+                # another device than the mesh set by jax.set_mesh could not be cast there)
+                stored_as_is = (specs[key]["encoding"] in ("raw", "bitcast")
+                                or isinstance(child, PackedArray))
                 if stored_as_is and sharding_of(child, where, key) is not None:
                     hints[key] = sharding_of(child, where, key)
         device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])

@@ -3,12 +3,16 @@
 `read_header` parses and checks the JSON header that `jaxquant._serialization.encode`
 wrote (checksum and version, the set of tensors, their dtypes and shapes); `plan`
 checks it against a target tree (paths, kinds, dtypes, shapes and QTensor
-metadata); `storage` gives the dtype and shape each tensor is stored with.
+metadata); `storage` gives the dtype and shape each tensor is stored with;
+`layout_problem` names the tensor of a safetensors file that safetensors refused.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import os
+import struct
 from typing import Any
 
 import jax
@@ -35,7 +39,58 @@ from jaxquant._serialization import (
 )
 from jaxquant._tree import is_record, path_str
 
-__all__ = ["is_jaxquant", "read_header", "plan", "storage"]
+__all__ = ["is_jaxquant", "read_header", "plan", "storage", "layout_problem"]
+
+# safetensors dtype code -> bits per element
+_ST_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8,
+            "F8_E5M2FNUZ": 8, "F8_E8M0": 8, "U16": 16, "I16": 16, "F16": 16, "BF16": 16,
+            "U32": 32, "I32": 32, "F32": 32, "U64": 64, "I64": 64, "F64": 64, "C64": 64,
+            "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+
+
+def layout_problem(path: str) -> str:
+    """Which tensor of the safetensors file ``path`` does not fit the file's data area.
+
+    Read only to explain a file that safetensors refused (its own message names no tensor):
+    the first tensor, in the order of its data, whose bytes overlap the previous tensor's or
+    leave a gap, do not hold its dtype and shape, or run past the end of the file; or bytes
+    after the last tensor.
+
+    Args:
+      path: the safetensors file.
+
+    Returns:
+      ``"; tensor 'name': ..."`` (or ``"; ... after the last tensor"``), or ``""`` when the
+      header cannot be read or nothing is found.
+    """
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > (rest := os.path.getsize(path) - 8):
+                return f"; its header length field says {n} bytes, {rest} follow it"
+            entries = json.loads(f.read(n))
+        size = rest - n
+        entries = sorted((tuple(e["data_offsets"]), k, e["dtype"], e["shape"])
+                         for k, e in entries.items() if k != "__metadata__")
+        end = 0
+        for (start, stop), key, code, shape in entries:
+            if code not in _ST_BITS or any(type(i) is not int or i < 0
+                                           for i in (start, stop, *shape)):
+                return ""  # safetensors' own message names the bad value
+            span, need = stop - start, math.prod(shape) * _ST_BITS[code]
+            if start != end:
+                return (f"; tensor {key!r}: its data_offsets [{start}, {stop}] start at byte "
+                        f"{start}, the previous tensor's data ends at byte {end}")
+            if 8 * span != need:
+                return (f"; tensor {key!r}: {code}{list(shape)} is {need / 8:g} bytes, its "
+                        f"data_offsets [{start}, {stop}] hold {span}")
+            if stop > size:
+                return (f"; tensor {key!r}: its data_offsets [{start}, {stop}] run past the "
+                        f"{size} bytes of data in the file (truncated file?)")
+            end = stop
+        return f"; {size - end} bytes after the last tensor's data" if size > end else ""
+    except (OSError, struct.error, ValueError, TypeError, KeyError, AttributeError):
+        return ""
 
 
 def storage(spec: dict) -> tuple[np.dtype, tuple[int, ...]]:

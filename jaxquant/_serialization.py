@@ -196,9 +196,18 @@ def _encode_array(key: str, x) -> tuple[dict, Any]:
 
 
 def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
-    """Adds a QTensor's tensors (a QTensor scale recursively) and returns its header entry."""
+    """Adds a QTensor's tensors (a QTensor scale recursively) and returns its header entry.
+
+    Raises:
+      ValueError: unpacked 6-bit codebook codes of 64 or more (they do not fit 6 bits).
+    """
     codes = qt.qvalue
-    if qt.format.bits == 6 and not qt.packed and qt.ndim and qt.size:  # 4 codes in 3 bytes
+    if qt.format.bits == 6 and not qt.packed and qt.ndim:  # 4 codes in 3 bytes
+        top = int(jnp.max(codes)) if qt.size else 0
+        if top >= 64:  # its high bits would land in the next code's field
+            raise ValueError(f"{join(path, 'qvalue')!r}: {qt.codebook} codes are 6-bit indices "
+                             f"(0 to 63), got a code {top}; stored four in three bytes it would "
+                             f"change its neighbour's code.")
         axis = qt.ndim - 1
         codes = PackedArray(_pack_fields(_one_device(codes), 6, axis), np.dtype(codes.dtype),
                             qt.shape, axis, 6)
@@ -236,7 +245,7 @@ def encode(tree: Any, *, to_host: bool,
       TypeError: a leaf that is not an array, QTensor or PackedArray, or one that cannot
         be stored (abstract, a PRNG key, a dtype without a safetensors dtype of its width).
       ValueError: two leaves or tensors under one name; packed codes whose last byte has
-        nonzero padding bits.
+        nonzero padding bits; 6-bit codebook codes of 64 or more.
     """
     leaves: dict[str, dict] = {}
     specs: dict[str, dict] = {}
