@@ -12,6 +12,7 @@ or not; all leaves are dispatched before the few scalars of each come back.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any
 
@@ -19,10 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant._qtensor import QTensor, is_qtensor
+from jaxquant._leaves import is_abstract, is_record, leaf_dtype, leaf_nbytes
+from jaxquant._qtensor import QTensor, check_consistent, is_qtensor
 from jaxquant._quantize import dequantize_values
 from jaxquant._schemes import format_name
-from jaxquant._tree import is_record, leaf_dtype, leaf_nbytes, path_str
+from jaxquant._tree import QuantSpec, path_str
 
 __all__ = ["LeafReport", "quantization_report", "format_report"]
 
@@ -45,8 +47,9 @@ class LeafReport:
         bit width, plus scale and zero point).
       sqnr_db: signal-to-quantization-noise ratio ``10 log10(sum x^2 / sum
         (x - x_hat)^2)`` in dB (``inf`` when exact); ``nan`` when there is no
-        reference to compare with or the leaf was kept, and also for a compared
-        leaf when its reference or its codes hold NaN or inf.
+        reference to compare with (or an abstract one, of `jax.ShapeDtypeStruct`
+        leaves) or the leaf was kept, and also for a compared leaf when its
+        reference or its codes hold NaN or inf.
       max_abs_error: ``max |x - x_hat|``; ``nan`` as for ``sqnr_db``.
       compared: whether the leaf was compared with its reference (the two
         statistics were computed); `format_report` prints a NaN statistic as
@@ -98,10 +101,33 @@ def _scaled_square_sum(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(u * u), e
 
 
-@jax.jit
-def _errors(x: jax.Array, qt: QTensor, lo: jax.Array | None = None) -> tuple[jax.Array, ...]:
+def _stacked_axes(qt: QTensor, path: str) -> int:
+    """How many leading axes ``qt`` was stacked along by ``jax.vmap`` / ``lax.scan`` (the
+    layers of a scanned model), ``0`` for a plain QTensor: the fewest whose removal leaves
+    codes, scales and zero points that fit the metadata.
+
+    Raises:
+      ValueError, TypeError: no such number (`check_consistent`'s error, naming ``path``).
+    """
+    for k in range(qt.ndim + 1):
+        view = jax.tree.map(lambda a, k=k: jax.ShapeDtypeStruct(a.shape[k:], a.dtype), qt)
+        try:
+            check_consistent(view)
+            return k
+        except (TypeError, ValueError):
+            continue
+    check_consistent(qt, f"qtree leaf {path!r}")  # raises
+    return 0
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _errors(x: jax.Array, qt: QTensor, lo: jax.Array | None = None,
+            stacked: int = 0) -> tuple[jax.Array, ...]:
     """One leaf's ``(sum x^2, sum d^2)`` as scaled sums and exponents
     (`_scaled_square_sum`) and ``max |d|``, with ``d = x - x_hat``, in float32.
+
+    ``stacked``: the leading axes of a stacked ``qt`` (`_stacked_axes`), each
+    dequantized under one ``jax.vmap``.
 
     ``lo``: for a float64 reference, ``x - float32(x)`` (`_reference`), added to
     the difference so that ``d`` is that of the float64 values, not of their
@@ -112,7 +138,10 @@ def _errors(x: jax.Array, qt: QTensor, lo: jax.Array | None = None) -> tuple[jax
     would compile for as long as the tree is large.
     """
     x = x.astype(jnp.float32)
-    d = x - dequantize_values(qt)
+    x_hat = dequantize_values
+    for _ in range(stacked):
+        x_hat = jax.vmap(x_hat)
+    d = x - x_hat(qt)
     if lo is not None:
         d = d + lo
     sig, sig_e = _scaled_square_sum(x)
@@ -157,6 +186,9 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
         `QTensor` leaves where a rule applied), or ``None``. Leaves are paired by
         path, so ``qtree`` may list them in another order (a list of 11 layers,
         saved and loaded back as a dict, comes as ``layers/0, layers/1, layers/10``).
+        Either tree may be abstract (`jax.ShapeDtypeStruct` leaves, as `jax.eval_shape`
+        gives): its leaves are counted, not compared. A `QTensor` stacked by
+        ``jax.vmap`` / ``lax.scan`` (a scanned model's layers) is compared layer by layer.
 
     Returns:
       `LeafReport` rows in the order of the tree's leaves. With both trees, the
@@ -168,9 +200,11 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
 
     Raises:
       ValueError: the two trees have different leaf paths (or a repeated path in
-        another order), or a leaf's shape differs.
+        another order), a leaf's shape differs, or a `QTensor`'s arrays fit its
+        metadata with no number of leading axes taken as stacked.
       TypeError: ``tree`` holds a `QTensor` where ``qtree`` does not, or a
-        non-float leaf where ``qtree`` holds a `QTensor`.
+        non-float leaf where ``qtree`` holds a `QTensor`; ``qtree`` holds a
+        `QuantSpec` (rules, not the quantized tree).
 
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
@@ -187,6 +221,9 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
         return [_row(path, leaf, leaf, alone=True) for path, (_, leaf) in zip(paths, leaves,
                                                                              strict=True)]
     qleaves = jax.tree_util.tree_leaves_with_path(qtree, is_leaf=is_record)
+    if any(isinstance(q, QuantSpec) for _, q in qleaves):
+        raise TypeError(f"qtree must be the quantized tree, jaxquant.quantize_tree(tree, rules), "
+                        f"not the rules; got {qtree!r:.200}.")
     qpaths = [path_str(p) for p, _ in qleaves]
     if paths != qpaths:
         if len(set(paths)) == len(paths) and sorted(paths) == sorted(qpaths):
@@ -210,13 +247,16 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
             if not jnp.issubdtype(leaf_dtype(ref), jnp.floating):
                 raise TypeError(f"{paths[i]!r}: the reference leaf must be a float array, got "
                                 f"dtype {leaf_dtype(ref)}.")
+            if is_abstract(ref) or is_abstract(q):  # ShapeDtypeStructs: no values to compare
+                continue
             refs.append(_reference(ref))
-            qts.append(q)
+            qts.append((q, _stacked_axes(q, paths[i])))
             picked.append(i)
     stats = {}
     if picked:
         # All leaves dispatched first, then fetched together: one wait, not one a leaf.
-        results = jax.device_get([_errors(x, q, lo) for (x, lo), q in zip(refs, qts, strict=True)])
+        results = jax.device_get([_errors(x, q, lo, k) for (x, lo), (q, k)
+                                  in zip(refs, qts, strict=True)])
         for i, (sig, sig_e, err, err_e, worst) in zip(picked, results, strict=True):
             stats[i] = (_sqnr(float(sig), sig_e, float(err), err_e), float(worst), True)
     return [_row(path, ref, q, *stats.get(i, ())) for i, (path, (_, ref), (_, q))

@@ -9,20 +9,19 @@ kept. Only floating-point leaves are ever quantized.
 from __future__ import annotations
 
 import dataclasses
-import math
+import inspect
 import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._args import as_dtype
 from jaxquant._formats import CODEBOOKS, get_format
 from jaxquant._granularity import _is_int
-from jaxquant._packing import PackedArray
+from jaxquant._leaves import is_abstract, is_record, leaf_nbytes
 from jaxquant._progress import progress_bar
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import check_flags, dequantize, quantize
@@ -30,7 +29,7 @@ from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import SCHEMES, resolve
 
 __all__ = ["QuantSpec", "quantize_tree", "dequantize_tree", "path_str", "match_rules",
-           "unused_rules", "is_record"]
+           "unused_rules", "is_record", "tree_nbytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,17 +176,6 @@ def path_str(path) -> str:
     return "/".join(parts)
 
 
-def is_record(x) -> bool:
-    """Whether ``x`` is a leaf that tree functions keep whole: a `QTensor` or a `PackedArray`.
-
-    Example:
-      >>> from jaxquant._packing import pack
-      >>> is_record(pack(jnp.array([1, 2, 3], jnp.int4))), is_record(jnp.ones(3))
-      (True, False)
-    """
-    return isinstance(x, (QTensor, PackedArray))
-
-
 def _check_rules(rules: Rules):
     """``rules`` validated: ``None``, a `QuantSpec`, or a list of (compiled pattern, spec)."""
     if rules is None or isinstance(rules, QuantSpec):
@@ -199,6 +187,12 @@ def _check_rules(rules: Rules):
     if isinstance(rules, (str, bytes, Mapping)) or not isinstance(rules, Iterable):
         raise TypeError(f"rules must be None, a QuantSpec or a sequence of (pattern, QuantSpec "
                         f"| None) pairs, got {type(rules).__name__}: {rules!r}.")
+    if isinstance(rules, set | frozenset):  # iterated in hash order: varies between runs
+        raise TypeError(f"rules must be ordered (the first match wins); got a "
+                        f"{type(rules).__name__}: {rules!r}. Pass a list of pairs.")
+    if inspect.isgenerator(rules) and inspect.getgeneratorstate(rules) == inspect.GEN_CLOSED:
+        raise ValueError("rules is a generator that an earlier call consumed (it yields no "
+                         "rules now); pass a list of (pattern, QuantSpec | None) pairs instead.")
     checked = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)
@@ -240,8 +234,9 @@ def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
       ``{path: QuantSpec | None}`` for every leaf, in the tree's leaf order.
 
     Raises:
-      TypeError: a malformed rule.
-      ValueError: a pattern that is not a regular expression.
+      TypeError: a malformed rule, or rules in a set (unordered).
+      ValueError: a pattern that is not a regular expression; a generator of rules that
+        an earlier call consumed.
 
     Example:
       >>> tree = {"dense": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}}
@@ -267,8 +262,9 @@ def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
       The unused ``(pattern, spec)`` pairs, in their order in ``rules``.
 
     Raises:
-      TypeError: a malformed rule.
-      ValueError: a pattern that is not a regular expression.
+      TypeError: a malformed rule, or rules in a set (unordered).
+      ValueError: a pattern that is not a regular expression; a generator of rules that
+        an earlier call consumed.
 
     Example:
       >>> unused_rules({"w": jnp.ones((2, 2))}, [("w", QuantSpec()), ("kernal", None)])
@@ -288,7 +284,9 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
     """Quantizes the leaves of a pytree that a rule selects.
 
     Args:
-      tree: any pytree of arrays (a Flax ``params`` dict, a checkpoint...).
+      tree: any pytree of arrays (a Flax ``params`` dict, a checkpoint...); leaves
+        may be `jax.ShapeDtypeStruct` placeholders, which give abstract `QTensor`
+        leaves (as under `jax.eval_shape`, shardings included).
       rules: ``None``: every floating leaf with ``ndim >= 2`` gets
         ``QuantSpec()``; a `QuantSpec`: the same selection with that spec; or a
         sequence of ``(pattern, QuantSpec | None)``: the first pattern that
@@ -308,9 +306,10 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
       them, eagerly or under ``jit``.
 
     Raises:
-      TypeError: a malformed rule.
-      ValueError: a pattern that is not a regular expression; or, naming the leaf, a
-        spec that does not fit it (as `jaxquant.quantize`).
+      TypeError: a malformed rule, or rules in a set (unordered).
+      ValueError: a pattern that is not a regular expression; a generator of rules that
+        an earlier call consumed; or, naming the leaf, a spec that does not fit it (as
+        `jaxquant.quantize`).
 
     Example:
       >>> import jaxquant as jq
@@ -329,8 +328,8 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
     with bar:
         for (path, leaf), spec in zip(flat, specs, strict=True):
             if spec is not None:
-                try:
-                    leaf = spec(leaf)
+                try:  # placeholders (ShapeDtypeStruct): an abstract QTensor, shardings kept
+                    leaf = jax.eval_shape(spec, leaf) if is_abstract(leaf) else spec(leaf)
                 except (TypeError, ValueError) as e:  # name the leaf the rule failed on
                     raise type(e)(f"leaf {path_str(path)!r} ({jnp.dtype(leaf.dtype).name}"
                                   f"{list(leaf.shape)}): {e}") from e
@@ -346,7 +345,8 @@ def dequantize_tree(tree: Any) -> Any:
     sharding.
 
     Args:
-      tree: a pytree with `QTensor` leaves.
+      tree: a pytree with `QTensor` leaves (abstract ones, of `jax.ShapeDtypeStruct`
+        placeholders, give `jax.ShapeDtypeStruct` leaves).
 
     Returns:
       The same structure, `QTensor` leaves replaced by `jaxquant.dequantize`.
@@ -358,25 +358,12 @@ def dequantize_tree(tree: Any) -> Any:
       Array([[1., 0.],
              [0., 1.]], dtype=float32)
     """
-    return jax.tree.map(lambda leaf: dequantize(leaf) if is_qtensor(leaf) else leaf, tree,
-                        is_leaf=is_qtensor)
+    def restore(leaf):
+        if not is_qtensor(leaf):
+            return leaf
+        return jax.eval_shape(dequantize, leaf) if is_abstract(leaf) else dequantize(leaf)
 
-
-def leaf_nbytes(leaf) -> int:
-    """Storage bytes of one leaf: `QTensor.nbytes` / `PackedArray.nbytes` for a record,
-    else ``size * itemsize`` of the leaf as a NumPy array (a Python float: 8; a PRNG key
-    array: its key data)."""
-    if is_record(leaf):
-        return leaf.nbytes
-    return math.prod(np.shape(leaf)) * leaf_dtype(leaf).itemsize
-
-
-def leaf_dtype(leaf):
-    """A leaf's dtype: a NumPy one, or JAX's own for a PRNG key array (no NumPy dtype)."""
-    if not hasattr(leaf, "dtype"):
-        return np.asarray(leaf).dtype
-    extended = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
-    return leaf.dtype if extended else np.dtype(leaf.dtype)
+    return jax.tree.map(restore, tree, is_leaf=is_qtensor)
 
 
 def tree_nbytes(tree: Any) -> int:

@@ -1,0 +1,54 @@
+"""What tree functions need to know of one leaf: kept whole, abstract, its dtype and bytes."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import numpy as np
+
+from jaxquant._packing import PackedArray
+from jaxquant._qtensor import QTensor
+
+__all__ = ["is_record", "is_abstract", "leaf_dtype", "leaf_nbytes"]
+
+
+def is_record(x) -> bool:
+    """Whether ``x`` is a leaf that tree functions keep whole: a `QTensor` or a `PackedArray`.
+
+    Example:
+      >>> from jaxquant._packing import pack
+      >>> import jax.numpy as jnp
+      >>> is_record(pack(jnp.array([1, 2, 3], jnp.int4))), is_record(jnp.ones(3))
+      (True, False)
+    """
+    return isinstance(x, (QTensor, PackedArray))
+
+
+def is_abstract(x) -> bool:
+    """Whether ``x`` (an array or a record) holds `jax.ShapeDtypeStruct` placeholders, as
+    `jax.eval_shape` returns them: shapes, dtypes and shardings without values.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> is_abstract(jax.ShapeDtypeStruct((2, 2), jnp.float32)), is_abstract(jnp.ones(2))
+      (True, False)
+    """
+    return any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(x))
+
+
+def leaf_nbytes(leaf) -> int:
+    """Storage bytes of one leaf: `QTensor.nbytes` / `PackedArray.nbytes` for a record,
+    else ``size * itemsize`` of the leaf as a NumPy array (a Python float: 8; a PRNG key
+    array: its key data)."""
+    if is_record(leaf):
+        return leaf.nbytes
+    return math.prod(np.shape(leaf)) * leaf_dtype(leaf).itemsize
+
+
+def leaf_dtype(leaf):
+    """A leaf's dtype: a NumPy one, or JAX's own for a PRNG key array (no NumPy dtype)."""
+    if not hasattr(leaf, "dtype"):
+        return np.asarray(leaf).dtype
+    extended = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
+    return leaf.dtype if extended else np.dtype(leaf.dtype)
