@@ -50,7 +50,9 @@ class LeafReport:
         reference to compare with (or an abstract one, of `jax.ShapeDtypeStruct`
         leaves) or the leaf was kept, and also for a compared leaf when its
         reference or its codes hold NaN or inf.
-      max_abs_error: ``max |x - x_hat|``; ``nan`` as for ``sqnr_db``.
+      max_abs_error: ``max |x - x_hat|``; ``nan`` where there is no (concrete)
+        reference or the leaf was kept, or either side holds NaN; ``inf`` where one
+        side holds an infinity the other does not (codes of ``saturate=False``).
       compared: whether the leaf was compared with its reference (the two
         statistics were computed); `format_report` prints a NaN statistic as
         ``nan`` when it was, ``-`` when it was not.
