@@ -165,6 +165,8 @@ class QTensor:
                 raise ValueError(f"codebook format {codebook} takes no zero_point.")
         if not jnp.issubdtype(scale.dtype, jnp.floating):
             raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
+        if getattr(scale, "weak_type", False):  # jnp.array(0.5): float32, as `quantize` stores it
+            scale = jax.lax.convert_element_type(scale, jnp.float32)  # (a weak leaf retraces)
         dtype = value_dtype(dtype)
         if isinstance(qvalue, PackedArray):
             check_packed(qvalue)

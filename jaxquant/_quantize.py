@@ -64,7 +64,9 @@ def _as_scale(scale: ArrayLike, argname: str = "scale") -> jax.Array:
     scale = as_array(scale, argname)
     if not jnp.issubdtype(scale.dtype, jnp.floating):
         raise TypeError(f"{argname} must be a float array, got dtype {scale.dtype}.")
-    return scale
+    # A Python float is weakly typed (float64 under x64): stored as the float32 the quotient
+    # uses, a weak scale would make every jit the QTensor reaches trace again for it
+    return lax.convert_element_type(scale, jnp.float32) if scale.weak_type else scale
 
 
 def quantize(
@@ -250,7 +252,9 @@ def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: 
     """Codes of ``x`` for scale-shaped float32 ``scale``/``zero_point`` (no checks; traceable).
 
     ``wide=True`` returns sub-byte integer codes as int8 (same values), and
-    codebook codes as uint8. ``key`` draws the noise of stochastic rounding.
+    codebook codes as uint8. ``key`` draws the noise of stochastic rounding. The codes
+    of every format are constants of differentiation (as integer codes are), not a float
+    cast's identity with its cotangent rounded to float8/float4 (`fake_quant` has the STE).
     """
     def codes(x, noise, s, zp):
         return round_to_codes(quotient(x.astype(jnp.float32), s, fmt), zp, fmt, saturate, wide,
@@ -258,8 +262,8 @@ def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: 
 
     # drawn at x's shape (as `fake_quant` draws it), not at the padded shape of the blocks
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
-    return apply_grouped(codes, x, layout, scale.astype(jnp.float32), zero_point,
-                         elementwise=(noise,))
+    return lax.stop_gradient(apply_grouped(codes, x, layout, scale.astype(jnp.float32),
+                                           zero_point, elementwise=(noise,)))
 
 
 def _record(x, stored_scale, divisor, zero_point, fmt: Format, layout: Layout, saturate: bool,
