@@ -31,7 +31,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._args import as_array, as_dtype, as_precision
 from jaxquant._granularity import normalize_axis
-from jaxquant._int_dot import ActQuant, check_int_operand, int_dot
+from jaxquant._int_dot import ActQuant, check_act_quant, check_int_operand, int_dot
 from jaxquant._qtensor import QTensor, check_consistent, is_qtensor
 from jaxquant._weight_only import weight_only_dot
 
@@ -167,7 +167,7 @@ def qdot_general(
     dot (any format and layout, packed or not, zero points). An `ActQuant`: the
     float operand is quantized to int8 on the fly and the dot runs as
     int8 x int8 -> int32 (layouts: see the module docstring). Two arrays: a
-    plain ``lax.dot_general``.
+    plain ``lax.dot_general`` (``act_quant`` is still checked).
 
     Args:
       lhs: a float array or a `QTensor`.
@@ -207,6 +207,7 @@ def qdot_general(
       >>> qdot_general(x, w, dims, act_quant=ActQuant())  # int8 x int8 -> int32
       Array([[ 2.492126, 10.015748]], dtype=float32)
     """
+    check_act_quant(act_quant)
     if not (_is_q(lhs) or _is_q(rhs)):
         return lax.dot_general(lhs, rhs, dimension_numbers, precision, preferred_element_type,
                                out_sharding=out_sharding)
@@ -223,9 +224,6 @@ def qdot_general(
     if preferred_element_type is not None:
         preferred_element_type = as_dtype(preferred_element_type, "preferred_element_type")
     if act_quant is not None:
-        if not isinstance(act_quant, ActQuant):
-            raise TypeError(f"act_quant must be None or a jaxquant.ActQuant, got "
-                            f"{type(act_quant).__name__}.")
         for i, name in enumerate(_SIDES):
             if _is_q(ops[i]):
                 check_int_operand(ops[i], dims[0][i], name)
@@ -256,6 +254,9 @@ class QDotGeneral:
     Attributes:
       act_quant: ``None`` (weight-only) or an `ActQuant` (int8 x int8 -> int32).
 
+    Raises:
+      TypeError: ``act_quant`` neither ``None`` nor an `ActQuant` (the class itself, say).
+
     Example:
       >>> import jaxquant as jq
       >>> dot = QDotGeneral(act_quant=ActQuant())
@@ -265,6 +266,9 @@ class QDotGeneral:
     """
 
     act_quant: ActQuant | None = None
+
+    def __post_init__(self):
+        check_act_quant(self.act_quant)
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None) -> jax.Array:

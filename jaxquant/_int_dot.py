@@ -51,7 +51,7 @@ class ActQuant:
         non-contracting dimensions; ``"tensor"``: one scale for the operand.
 
     Raises:
-      ValueError: an unknown granularity.
+      ValueError: a granularity other than the strings ``"token"`` and ``"tensor"``.
 
     Example:
       >>> ActQuant()
@@ -61,9 +61,18 @@ class ActQuant:
     granularity: Literal["token", "tensor"] = "token"
 
     def __post_init__(self):
-        if self.granularity not in ("token", "tensor"):
+        if not isinstance(self.granularity, str) or self.granularity not in ("token", "tensor"):
             raise ValueError(f"granularity must be 'token' or 'tensor', got "
                              f"{self.granularity!r}.")
+
+
+def check_act_quant(act_quant) -> None:
+    """Raises a `TypeError` unless ``act_quant`` is ``None`` or an `ActQuant` instance."""
+    if act_quant is None or isinstance(act_quant, ActQuant):
+        return
+    got = ("the class ActQuant itself; pass an instance, ActQuant()" if act_quant is ActQuant
+           else f"{type(act_quant).__name__} {act_quant!r}")
+    raise TypeError(f"act_quant must be None or a jaxquant.ActQuant, got {got}.")
 
 
 def check_int_operand(qt: QTensor, contract: tuple, name: str) -> None:
@@ -300,6 +309,14 @@ def int_dot_parts(parts, dims, block, out_dtype, out_sharding):
     return functools.reduce(jnp.add, ys).astype(out_dtype)
 
 
+def _scaled(acc: jax.Array, s0: jax.Array, s1: jax.Array) -> jax.Array:
+    """``acc * s0 * s1`` in float32: ``(acc * s0) * s1``, or ``acc * (s0 * s1)`` (the order of
+    ONNX Runtime's and PyTorch's dynamic quantization) where ``acc * s0`` overflowed, which
+    it can where the product is finite (a large activation scale, a small weight scale)."""
+    y = acc * s0
+    return jnp.where(jnp.isinf(y), acc * (s0 * s1), y * s1)
+
+
 def _int_dot_exact(parts, dims, block, out_sharding):
     """`int_dot_parts` for a contraction (a block) of at most `exact_length`, in float32."""
     contract, batch = dims
@@ -330,7 +347,7 @@ def _int_dot_exact(parts, dims, block, out_sharding):
             rowsum = jnp.sum(parts[1 - i][0], axis=contract[1 - i], keepdims=True,
                              dtype=jnp.int32)
             acc = acc - out(parts[i][2], i) * out(rowsum, 1 - i)
-    y = acc.astype(jnp.float32) * out(parts[0][1], 0) * out(parts[1][1], 1)
+    y = _scaled(acc.astype(jnp.float32), out(parts[0][1], 0), out(parts[1][1], 1))
     if block:
         y = jnp.sum(y, axis=len(batch[0]) - 1)
         y = _constrain(y, out_sharding)  # the dot's: it had an axis of blocks more
