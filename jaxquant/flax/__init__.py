@@ -14,8 +14,10 @@ first `re.search` match on the ``/``-joined module path wins):
   With Gram matrices of calibration inputs (`QuantizedLinen.input_grams`,
   `nnx_input_grams`), ``Dense`` / ``Linear`` kernels are quantized with GPTQ.
 
-Covered layers: linen ``Dense``, ``DenseGeneral``, ``Conv``, ``Einsum``,
-``Embed``; nnx ``Linear``, ``LinearGeneral``, ``Conv``, ``Einsum``, ``Embed``.
+Covered layers: linen ``Dense``, ``DenseGeneral``, ``Conv``, ``ConvTranspose``,
+``ConvLocal``, ``Einsum``, ``Embed``; nnx ``Linear``, ``LinearGeneral``, ``Conv``,
+``ConvTranspose``, ``Einsum``, ``Embed`` (``ConvTranspose`` and ``ConvLocal`` run
+on their dequantized kernel at inference).
 Flax is imported only here, never by the core.
 """
 

@@ -247,13 +247,18 @@ class InferPromote:
 
     Attributes:
       inner: the layer's own ``promote_dtype``; ``None`` for Flax's (`jaxquant.promote_dtype`).
-      act: with ``dequantize``, the `ActSpec` of ``Embed.attend``'s query (per token).
-      dequantize: dequantize the QTensor here (nnx ``Embed``, then cast as a float table).
+      act: with ``dequantize``, the `ActSpec` of the input (``Embed.attend``'s query,
+        a ``ConvTranspose`` input), fake-quantized as in training.
+      dequantize: dequantize the QTensor here, then cast it as a float kernel (nnx
+        ``Embed``; ``ConvTranspose`` and ``ConvLocal``, whose ops take no QTensor).
+      contract: the input axes ``act`` scales per token (`fake_quant_act`); ``None``:
+        per tensor (convolutions).
     """
 
     inner: Callable | None = None
     act: ActSpec | None = None
     dequantize: bool = False
+    contract: tuple[int, ...] | None = (-1,)
 
     def __call__(self, *args, **kwargs):
         as_tuple = len(args) == 1 and isinstance(args[0], tuple)
@@ -263,7 +268,9 @@ class InferPromote:
         if self.dequantize:
             items = [a.dequantize() if is_qtensor(a) else a for a in items]
             if self.act is not None and len(items) >= 2:
-                items[0] = fake_quant_act(items[0], self.act, (-1,))
+                if not jnp.issubdtype(jnp.result_type(items[0]), jnp.inexact):
+                    items[0] = call(items)[0]  # integer input: cast first, as `QATPromote`
+                items[0] = fake_quant_act(items[0], self.act, self.contract)
         if inner is q_promote_dtype or not any(map(is_qtensor, items)):
             return call(items)
         stand = [a.dequantize() if is_qtensor(a) else a for a in items]

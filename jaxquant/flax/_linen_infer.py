@@ -4,6 +4,8 @@
 ``Einsum`` or ``Embed`` call on its stored QTensor, without materializing a
 float kernel, after `check_kernel_shape` compared the QTensor's logical shape
 with the one the float layer would create (as Flax's ``ScopeParamShapeError``).
+``ConvTranspose`` and ``ConvLocal`` (`DEQUANTIZED`), whose ops take no
+QTensor, run on the dequantized kernel, as in training.
 """
 
 from __future__ import annotations
@@ -18,8 +20,10 @@ from jaxquant._qtensor import is_qtensor, scale_values
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
 from jaxquant.flax._ops import fake_quant_act
 
-__all__ = ["check_kernel_shape", "einsum_str", "embed_take", "get_param", "infer",
-           "kernel_shape"]
+__all__ = ["DEQUANTIZED", "check_kernel_shape", "einsum_str", "embed_take", "get_param",
+           "infer", "kernel_shape"]
+
+DEQUANTIZED = nn.ConvTranspose | nn.ConvLocal  # no injectable op: run on the float kernel
 
 
 def _promote(m) -> InferPromote:
@@ -49,8 +53,11 @@ def _tuple(v) -> tuple:
     return tuple(np.atleast_1d(v).tolist())
 
 
-def kernel_shape(m, args, kwargs) -> tuple[int, ...]:
-    """The shape of the kernel (table) that the float layer creates for this call."""
+def kernel_shape(m, args, kwargs) -> tuple[int, ...] | None:
+    """The shape of the kernel (table) that the float layer creates for this call;
+    ``None`` for `DEQUANTIZED` layers (checked when they create it: `_stored_init`)."""
+    if isinstance(m, DEQUANTIZED):
+        return None
     if isinstance(m, nn.Embed):
         return (m.num_embeddings, m.features)
     if isinstance(m, nn.Einsum):
@@ -67,10 +74,24 @@ def kernel_shape(m, args, kwargs) -> tuple[int, ...]:
 def check_kernel_shape(m, name: str, qt, args, kwargs) -> None:
     """A ValueError when the QTensor ``qt`` is not the kernel ``m`` would create."""
     want = kernel_shape(m, args, kwargs)
-    if tuple(qt.shape) != want:
-        raise ValueError(
-            f"{type(m).__name__} at {'/'.join(m.path) or '(top)'!r}: the QTensor {name} has "
-            f"shape {tuple(qt.shape)}, but the layer (with these inputs) expects {want}.")
+    if want is not None and tuple(qt.shape) != want:
+        raise ValueError(_shape_error(m, name, qt, want))
+
+
+def _shape_error(m, name: str, qt, want) -> str:
+    return (f"{type(m).__name__} at {'/'.join(m.path) or '(top)'!r}: the QTensor {name} has "
+            f"shape {tuple(qt.shape)}, but the layer (with these inputs) expects "
+            f"{tuple(int(d) for d in want)}.")
+
+
+def _stored_init(m, qt):
+    """A ``kernel_init`` giving the stored QTensor ``qt`` where the layer asks for a
+    kernel of its shape (Flax checks a stored param against the init's shape)."""
+    def init(key, shape, *args, **kwargs):
+        if tuple(shape) != tuple(qt.shape):
+            raise ValueError(_shape_error(m, "kernel", qt, shape))
+        return qt
+    return init
 
 
 def embed_take(table, idx, dtype=None) -> jax.Array:
@@ -137,7 +158,7 @@ def infer(m, method: str, act, qt, args, kwargs):
       What the float layer returns, computed on ``qt``.
 
     Raises:
-      ValueError: a masked ``Conv``; a QTensor or `ActSpec` the int8 path cannot
+      ValueError: a masked convolution; a QTensor or `ActSpec` the int8 path cannot
         take (the caller puts the layer's path in front).
     """
     if isinstance(m, nn.Embed):
@@ -148,10 +169,14 @@ def infer(m, method: str, act, qt, args, kwargs):
             (table,) = m.promote_dtype(qt.dequantize(), dtype=m.dtype, inexact=False)
             return embed_take(table, idx)
         return embed_take(qt, idx, m.dtype)
+    if isinstance(m, nn.Conv | DEQUANTIZED) and m.mask is not None:
+        raise ValueError(f"a masked {type(m).__name__} cannot run on a QTensor kernel; leave "
+                         f"it float (rule -> None).")
+    if isinstance(m, DEQUANTIZED):  # dequantized, the input fake-quantized, as in training
+        promote = InferPromote(_promote(m).inner, act, dequantize=True, contract=None)
+        return m.clone(parent=m.scope, promote_dtype=promote,
+                       kernel_init=_stored_init(m, qt))(*args, **kwargs)
     if isinstance(m, nn.Conv):
-        if m.mask is not None:
-            raise ValueError("a masked Conv cannot run on a QTensor kernel; leave it float "
-                             "(rule -> None).")
         clone = m.clone(parent=m.scope, conv_general_dilated=InferConv(act),
                         conv_general_dilated_cls=None, promote_dtype=_promote(m),
                         kernel_init=lambda *a, **k: qt)

@@ -1,9 +1,10 @@
 """linen layers run in training (float kernels), for `jaxquant.flax.linen`.
 
-`qat` re-runs an intercepted ``Dense``, ``DenseGeneral``, ``Conv`` or ``Einsum``
-call as a clone bound to the same scope with an injected ``promote_dtype``
-(`QATPromote`: fake quantization of kernel and input) or ``dot_general``
-(`QATDot`: the int8 training dot); ``Embed`` lookups and ``attend`` are
+`qat` re-runs an intercepted ``Dense``, ``DenseGeneral``, ``Conv``,
+``ConvTranspose``, ``ConvLocal`` or ``Einsum`` call as a clone bound to the same
+scope with an injected ``promote_dtype`` (`QATPromote`: fake quantization of
+kernel and input) or ``dot_general`` (`QATDot`: the int8 training dot);
+``Embed`` lookups and ``attend`` are
 computed here on the fake-quantized table. Learned scales (``learn_scale``) are
 the ``"quant"`` variables of the layer's scope (`learned`).
 """
@@ -18,7 +19,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxquant._qtensor import is_qtensor
-from jaxquant.flax._linen_infer import einsum_str, get_param
+from jaxquant.flax._linen_infer import DEQUANTIZED, einsum_str, get_param
 from jaxquant.flax._ops import QATDot, QATPromote, einsum_contract, fake_quant_weight, init_qparams
 from jaxquant.flax._rules import QuantConfig
 
@@ -31,8 +32,9 @@ def kernel_name(m) -> str:
 
 
 def contract(m, args, kwargs) -> tuple[int, ...] | None:
-    """The input axes ``m`` contracts (per-token activation scales); ``None`` for a Conv."""
-    if isinstance(m, nn.Conv):
+    """The input axes ``m`` contracts (per-token activation scales); ``None`` for a
+    convolution (one scale per tensor)."""
+    if isinstance(m, nn.Conv | DEQUANTIZED):
         return None
     if isinstance(m, nn.DenseGeneral):
         return tuple(m.axis) if isinstance(m.axis, tuple | list) else (m.axis,)

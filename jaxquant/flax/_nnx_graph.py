@@ -19,7 +19,7 @@ from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select
 
 __all__ = ["LAYERS", "covered_layers", "layer_paths"]
 
-LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.Einsum, nnx.Embed)
+LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum, nnx.Embed)
 
 
 def layer_paths(model: nnx.Module) -> dict[int, list[str]]:

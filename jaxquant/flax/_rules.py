@@ -113,8 +113,16 @@ class QuantConfig:
     """How one layer is quantized: a frozen, hashable record.
 
     Attributes:
-      weight: the kernel's `jaxquant.QuantSpec` (default: int8, one scale per
-        output feature, ``axis=-1``), or ``None`` to keep the kernel float.
+      weight: the kernel's `jaxquant.QuantSpec`, or ``None`` to keep the kernel
+        float. Default: int8, one scale per index of the kernel's last axis
+        (``axis=-1``; stacked layers of ``nn.scan`` / ``nnx.vmap`` each have their
+        own): the output features of ``Dense`` / ``Linear``, convolutions
+        (``(..., in, out)``), ``Embed`` (its ``features``) and an ``Einsum`` whose
+        kernel ends in an output index; the last feature axis of a
+        ``DenseGeneral`` with several. A kernel laid out otherwise
+        (``ConvTranspose(transpose_kernel=True)``: ``(..., out, in)``; an
+        ``Einsum`` such as ``"bd,fd->bf"``) needs its own ``axis``: scales along
+        a contracted axis rule out the int8 x int8 inference dot.
       act: an `ActSpec` for the layer's input, or ``None`` (float input;
         weight-only at inference).
       int8_dot: ``Dense``-like layers (linen ``Dense``/``DenseGeneral``, nnx

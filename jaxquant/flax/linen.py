@@ -2,12 +2,14 @@
 
 `quantize_linen` wraps a model and its rules. Its ``init`` / ``apply`` run the
 model under a method interceptor that catches ``__call__`` of ``Dense``,
-``DenseGeneral``, ``Conv``, ``Einsum`` and ``Embed`` (and ``Embed.attend``)
+``DenseGeneral``, ``Conv``, ``ConvTranspose``, ``ConvLocal``, ``Einsum`` and
+``Embed`` (and ``Embed.attend``)
 and re-runs the layer bound to the same scope with an injected
 ``promote_dtype`` (fake quantization of kernel and input) or ``dot_general``
 (the int8 training dot). A layer whose stored kernel is a `jaxquant.QTensor`
 (from `QuantizedLinen.quantize_params`) runs quantized instead: weight-only
-(dequantized inside the jitted op) or int8 x int8 -> int32.
+(dequantized inside the jitted op) or int8 x int8 -> int32; ``ConvTranspose``
+and ``ConvLocal`` run on their dequantized kernel (and fake-quantized input).
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from jaxquant.flax._rules import QuantConfig, Rules, check_rules, layer_errors, 
 
 __all__ = ["QuantizedLinen", "quantize_linen"]
 
-LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.Einsum, nn.Embed)
+LAYERS = (nn.Dense, nn.DenseGeneral, nn.Conv, nn.ConvTranspose, nn.ConvLocal, nn.Einsum,
+          nn.Embed)
 
 
 def _interceptor(rules, record: dict | None = None):

@@ -1,12 +1,13 @@
 """Quantization of ``flax.nnx`` models by module surgery.
 
 `nnx_qat` walks the model's graph (`jaxquant.flax._nnx_graph`) and, in each selected
-``Linear``, ``LinearGeneral``, ``Conv``, ``Einsum`` or ``Embed``, replaces the
+``Linear``, ``LinearGeneral``, ``Conv``, ``ConvTranspose``, ``Einsum`` or ``Embed``, replaces the
 layer's ``promote_dtype`` (fake quantization of kernel and input) or
 ``dot_general`` (the int8 training dot): the layers' own extension points, no
 parameter moves. `nnx_quantize` puts a `jaxquant.QTensor` in each selected
 kernel ``Param`` (``qt[...]`` is ``qt``) and injects ``dot_general`` /
-``einsum_op`` / ``conv_general_dilated`` that run on it.
+``einsum_op`` / ``conv_general_dilated`` that run on it (``Embed`` and
+``ConvTranspose``: a ``promote_dtype`` that dequantizes it).
 """
 
 from __future__ import annotations
@@ -79,7 +80,7 @@ def _kernel_name(layer) -> str:
 
 
 def _contract(layer):
-    if isinstance(layer, nnx.Conv | nnx.Einsum):  # Einsum: `QATEinsum`, the call's equation
+    if isinstance(layer, nnx.Conv | nnx.ConvTranspose | nnx.Einsum):  # Einsum: `QATEinsum`
         return None
     if isinstance(layer, nnx.LinearGeneral):
         return tuple(layer.axis)
@@ -90,7 +91,7 @@ def _kernel_shape(layer) -> tuple[int, ...]:
     """The shape of one layer's kernel (table), from the layer's attributes."""
     if isinstance(layer, nnx.Embed):
         return (layer.num_embeddings, layer.features)
-    if isinstance(layer, nnx.Conv | nnx.Einsum):
+    if isinstance(layer, nnx.Conv | nnx.ConvTranspose | nnx.Einsum):
         return tuple(layer.kernel_shape)
     if isinstance(layer, nnx.LinearGeneral):
         return (*layer.batch_axis.values(), *layer.in_features, *layer.out_features)
@@ -190,7 +191,8 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
 
     Args:
       model: an ``nnx.Module``; its covered layers (``Linear``,
-        ``LinearGeneral``, ``Conv``, ``Einsum``, ``Embed``) are rewired.
+        ``LinearGeneral``, ``Conv``, ``ConvTranspose``, ``Einsum``, ``Embed``) are
+        rewired.
       rules: one `QuantConfig` for every covered layer, or ``(pattern,
         QuantConfig | None)`` pairs on ``/``-joined attribute paths
         (``blocks/0/linear``); first match wins, ``None`` keeps a layer float.
@@ -306,7 +308,8 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
     computed scales (what fake quantization trained with). ``Linear``,
     ``LinearGeneral``, ``Einsum`` and ``Conv`` then run weight-only (``act=None``)
     or int8 x int8 -> int32 (an int8 `ActSpec`); ``Embed`` dequantizes its table
-    inside the jitted step.
+    inside the jitted step, ``ConvTranspose`` its kernel (its input fake-quantized
+    by an `ActSpec`, as in training).
 
     Args:
       model: an ``nnx.Module``, trained float or after `nnx_qat`.
@@ -319,7 +322,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
-      ValueError: an invalid pattern; a masked ``Conv``; a gram for no covered
+      ValueError: an invalid pattern; a masked convolution; a gram for no covered
         layer or for a layer GPTQ cannot quantize (see
         `QuantizedLinen.quantize_params`).
 
@@ -342,9 +345,10 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
     for path, layer, cfg in layers:
         if cfg is None or cfg.weight is None:
             continue
-        if isinstance(layer, nnx.Conv) and layer.mask is not None:
-            raise ValueError(f"the Conv at {path!r} has a mask and cannot run on a QTensor "
-                             f"kernel; leave it float with a (pattern, None) rule.")
+        if isinstance(layer, nnx.Conv | nnx.ConvTranspose) and layer.mask is not None:
+            raise ValueError(f"the {type(layer).__name__} at {path!r} has a mask and cannot "
+                             f"run on a QTensor kernel; leave it float with a (pattern, None) "
+                             f"rule.")
         var, spec = getattr(layer, _kernel_name(layer)), cfg.weight
         kernel = var[...]
         extra = _stacked(path, layer, kernel)  # nnx.vmap-made layers: one QTensor per layer
@@ -357,8 +361,10 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             var.set_value(kernel)
         keep_sharding(layer, _kernel_name(layer), var, extra)
         act, where = cfg.act, f"layer {path!r} ({type(layer).__name__})"
-        if isinstance(layer, nnx.Embed):
-            layer.promote_dtype = nnx.static(InferPromote(_own_promote(layer), act, True))
+        if isinstance(layer, nnx.Embed | nnx.ConvTranspose):  # ops that take no QTensor
+            contract = None if isinstance(layer, nnx.ConvTranspose) else (-1,)
+            layer.promote_dtype = nnx.static(InferPromote(_own_promote(layer), act, True,
+                                                          contract))
             continue
         layer.promote_dtype = nnx.static(InferPromote(_own_promote(layer)))
         if isinstance(layer, nnx.Einsum):
