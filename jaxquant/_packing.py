@@ -277,6 +277,21 @@ def check_packed(p: PackedArray, argname: str = "qvalue", hint: str = "") -> Non
                          f"shape {want}.{hint}")
 
 
+def _six_bit_fields(codes: jax.Array, name: str) -> jax.Array:
+    """uint8 codebook ``codes`` checked (when concrete) or masked (when traced) to 6 bits.
+
+    Raises:
+      ValueError: concrete codes of 64 or more: their high bits would land in the
+        neighbouring code's field.
+    """
+    if not isinstance(codes, jax.core.Tracer) and codes.size:
+        top = int(jnp.max(codes))
+        if top >= 64:
+            raise ValueError(f"x: {name} codes are 6-bit indices (0 to 63), got a largest code "
+                             f"{top}; packed four in three bytes it would change its neighbour.")
+    return codes & jnp.uint8(63)  # traced: a code never spills into its neighbour's bits
+
+
 def pack(x, axis: int = -1):
     """Packs codes, or the codes of a `QTensor`, into sub-byte storage.
 
@@ -291,8 +306,9 @@ def pack(x, axis: int = -1):
     Raises:
       TypeError: ``x`` not an array, or of a format wider than 4 bits (6-bit float6
         QTensors are packed four codes per three bytes).
-      ValueError: for a scalar, ``axis`` out of range, or codes explicitly sharded
-        along ``axis`` so that a byte would straddle two devices.
+      ValueError: for a scalar, ``axis`` out of range, codes explicitly sharded
+        along ``axis`` so that a byte would straddle two devices, or (concrete) 6-bit
+        codebook codes of 64 or more (traced ones are cut to their low 6 bits).
 
     Example:
       >>> import jaxquant as jq
@@ -304,10 +320,13 @@ def pack(x, axis: int = -1):
         return x
     if hasattr(x, "qvalue"):  # a QTensor
         if x.format.bits == 6 and not isinstance(x.qvalue, PackedArray):  # float6 codebooks
+            if x.ndim == 0:
+                raise ValueError("codes must have at least one dimension to be packed, got a "
+                                 "scalar.")
             a = normalize_axis(axis, x.ndim)
             check_shards_fit(x.qvalue, Layout("tensor"), 4, pack_axis=a, name="codes",
                              unpacked="another axis of pack")
-            data = pack_fields(x.qvalue, 6, a)
+            data = pack_fields(_six_bit_fields(x.qvalue, x.format.name), 6, a)
             return dataclasses.replace(x, qvalue=PackedArray(data, np.dtype(x.qvalue.dtype),
                                                              tuple(x.shape), a, 6))
         return dataclasses.replace(x, qvalue=pack(x.qvalue, axis))

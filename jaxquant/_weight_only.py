@@ -97,10 +97,12 @@ def stream_rows(qt, contract: tuple, batch: tuple, other_rows: int) -> int | Non
 
     A weight is streamed when its leading axis is contracted, the other operand
     has `STREAM_MIN_ROWS` to `STREAM_MAX_ROWS` rows (its free elements; fewer
-    when the weight's float32 values take more than `STREAM_LARGE_BYTES`), the
-    float32 values (of one phase, for packed codes) take more than
-    `STREAM_BYTES`, and the rows split evenly into chunks of at most
-    `STREAM_BYTES` that keep whole scale blocks and whole packed bytes.
+    when the weight's float32 values take more than `STREAM_LARGE_BYTES`) and
+    the float32 values (of one phase, for packed codes) take more than
+    `STREAM_BYTES`. Chunks hold at most `STREAM_BYTES`, whole scale blocks and
+    whole packed bytes: equal chunks when the rows split evenly into at most
+    twice the fewest chunks, else the fewest equal chunks and a shorter last one
+    (a prime number of rows is not cut into single rows).
     """
     if not _is_q(qt) or 0 not in contract or batch or _is_q(qt.scale) \
             or qt.layout.kind == "tile" or other_rows > STREAM_MAX_ROWS:
@@ -116,16 +118,25 @@ def stream_rows(qt, contract: tuple, batch: tuple, other_rows: int) -> int | Non
     if rows * row_bytes <= STREAM_BYTES or (
             other_rows < STREAM_MIN_ROWS and rows * row_bytes <= STREAM_LARGE_BYTES):
         return None
-    for n in range(2, rows // step + 1):  # the fewest chunks that fit
-        if rows % n == 0 and (rows // n) % step == 0 and rows // n * row_bytes <= STREAM_BYTES:
+    fit = STREAM_BYTES // row_bytes // step * step  # the most rows a chunk may hold
+    if not fit:
+        return None
+    fewest = -(-rows // fit)
+    for n in range(fewest, 2 * fewest + 1):  # equal chunks
+        if rows % n == 0 and (rows // n) % step == 0:
             return rows // n
-    return None
+    chunk = -(-rows // fewest)  # the fewest chunks, the last one shorter
+    return -(-chunk // step) * step  # still at most `fit`: a multiple of step
 
 
 def _rows(qt: QTensor, start, rows: int) -> QTensor:
-    """Rows ``start : start + rows`` of ``qt`` along axis 0 (``start`` may be traced)."""
+    """Rows ``start : start + rows`` of ``qt`` along axis 0 (``start`` may be traced).
+
+    ``start`` is a multiple of the rows of a scale block and of a packed byte;
+    ``start + rows`` is too, or is the last row (a partial block or byte).
+    """
     def cut(a, per):  # dim 0 of an array holding one entry per ``per`` rows
-        return lax.dynamic_slice_in_dim(a, start // per, rows // per, axis=0)
+        return lax.dynamic_slice_in_dim(a, start // per, -(-rows // per), axis=0)
 
     layout = qt.layout
     if layout.kind == "tensor" or layout.kind == "axis" and layout.axis != 0:
@@ -257,7 +268,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
     def streamed(lhs, rhs, i: int, rows: int):  # see the module docstring
         c = contract[1 - i][contract[i].index(0)]
 
-        def part(weight, other, start):
+        def part(weight, other, start, rows=rows):
             o = lax.dynamic_slice_in_dim(other, start, rows, axis=c)
             w = _rows(weight, start, rows)
             return dot(w, o, preferred=acc) if i == 0 else dot(o, w, preferred=acc)
@@ -275,6 +286,9 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
             y = functools.reduce(lambda y, k: step(k, y), range(1, n), y)
         else:
             y = lax.fori_loop(1, n, step, y)
+        if weight.shape[0] % rows:  # a shorter last chunk
+            tail = functools.partial(part, rows=weight.shape[0] % rows)
+            y = y + scheduled(tail, weight, other, n * rows)
         return y.astype(out)
 
     def cpu(lhs, rhs):

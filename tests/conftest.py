@@ -11,3 +11,17 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 # Float references are exact float32 dots: on GPU the default float32 matmul
 # precision is TF32 (10-bit mantissa), which alone moves results by ~1e-3.
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Streams weight-only dots in chunks of at most 8 KiB of float32 (many chunks)."""
+    from jaxquant import _weight_only
+
+    monkeypatch.setattr(_weight_only, "STREAM_BYTES", 8192)
+    jax.clear_caches()
+    yield
+    jax.clear_caches()

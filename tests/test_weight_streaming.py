@@ -10,22 +10,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
-from jaxquant import _weight_only
 from jaxquant._dot import qdot_general
 from jaxquant._weight_only import stream_rows
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="streams on XLA:CPU only")
 
 DN = (((1,), (0,)), ((), ()))  # x (batch, in) . w (in, out)
-
-
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Streams weights over 8 KiB of float32 in chunks of at most 8 KiB (many chunks)."""
-    monkeypatch.setattr(_weight_only, "STREAM_BYTES", 8192)
-    jax.clear_caches()
-    yield
-    jax.clear_caches()
 
 
 def _reference(x, qt, dims):
