@@ -218,7 +218,7 @@ def store_scale(scale: jax.Array, amax: jax.Array, fmt: Format, options: ScaleOp
                              "scales; got per-tensor quantization.")
         tiles = _tiles_of(scale.shape, DOUBLE_QUANT_BLOCK) if options.double_quant else None
         # Only finite scales of groups that are not all zeros set the second level.
-        finite = jnp.isfinite(scale)
+        finite = jnp.isfinite(amax)  # as isfinite(scale), without keeping scale to read it
         nested, _ = quantize_computed_values(jnp.where(finite & (amax > 0), scale, 0), inner,
                                              None, tiles)
         # A block scale too small for float8 next to its group's largest would be 0
