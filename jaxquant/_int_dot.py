@@ -66,13 +66,14 @@ class ActQuant:
                              f"{self.granularity!r}.")
 
 
-def check_act_quant(act_quant) -> None:
-    """Raises a `TypeError` unless ``act_quant`` is ``None`` or an `ActQuant` instance."""
+def check_act_quant(act_quant, name: str = "act_quant") -> None:
+    """Raises a `TypeError` naming the argument ``name`` unless ``act_quant`` is ``None`` or an
+    `ActQuant` instance."""
     if act_quant is None or isinstance(act_quant, ActQuant):
         return
     got = ("the class ActQuant itself; pass an instance, ActQuant()" if act_quant is ActQuant
            else f"{type(act_quant).__name__} {act_quant!r}")
-    raise TypeError(f"act_quant must be None or a jaxquant.ActQuant, got {got}.")
+    raise TypeError(f"{name} must be None or a jaxquant.ActQuant, got {got}.")
 
 
 def check_int_operand(qt: QTensor, contract: tuple, name: str) -> None:

@@ -65,6 +65,7 @@ from jaxquant._formats import get_format
 from jaxquant._granularity import Layout, apply_grouped, normalize_axis
 from jaxquant._int_dot import (
     ActQuant,
+    check_act_quant,
     contraction_pieces,
     exact_length,
     int_dot_parts,
@@ -341,8 +342,7 @@ def qat_dot_general(
                         f"{ops[1].dtype}; cast one of them first.")
     dims = _check_dims(dimension_numbers, (ops[0].shape, ops[1].shape))
     weight = _check_weight(weight, ops[1].ndim, dims[0][1])
-    if act is not None and not isinstance(act, ActQuant):
-        raise TypeError(f"act must be None or a jaxquant.ActQuant, got {type(act).__name__}.")
+    check_act_quant(act, "act")
     out_dtype = ops[0].dtype
     if preferred_element_type is not None:
         out_dtype = as_dtype(preferred_element_type, "preferred_element_type")
