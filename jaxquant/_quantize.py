@@ -299,7 +299,7 @@ def computed_scale(x: jax.Array, fmt: Format, layout: Layout, symmetric: bool,
     if options.plain:
         scale, zero_point = compute_scale(x, fmt, layout, symmetric)
         return scale, scale, zero_point
-    amax = group_absmax(jax.lax.stop_gradient(x.astype(jnp.float32)), layout)
+    amax = group_absmax(jax.lax.stop_gradient(x.astype(jnp.float32)), layout, options.pow2)
     if symmetric or not fmt.is_integer:  # one pass over x: the scale from the same maxima
         scale, zero_point = scale_from_range(amax, amax, fmt, symmetric=True)
     else:
