@@ -36,8 +36,7 @@ from jaxquant._qtensor import (
     zero_point_like_scale,
 )
 from jaxquant._rounding import NAN_CODES, quotient, round_to_codes, scale_factors
-from jaxquant._scale_formats import ScaleOptions, group_absmax, scale_options, store_scale
-from jaxquant._scales import compute_scale, scale_from_range
+from jaxquant._scale_formats import ScaleOptions, computed_scale, scale_options
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
 
@@ -104,7 +103,8 @@ def quantize(
     along ``axis`` (blocked, last block may be partial), or with a tuple
     ``block_size`` ``ceil(x.shape[i] / block_size[i])`` along every axis
     (tiles). ``zero_point`` has the layout of ``scale`` and the code dtype.
-    ``scale`` may be of any float dtype, or a `QTensor` of scales.
+    ``scale`` may be of any float dtype (kept; a weakly typed one, a Python float, is
+    stored as float32), or a `QTensor` of scales.
 
     Computed mode (``scale=None``): per-tensor (``axis=None``), per-axis
     (``axis``: the axis whose entries get their own scale), blocked (``axis``
@@ -150,7 +150,8 @@ def quantize(
         inside the range) instead of to nearest.
 
     Returns:
-      A `QTensor` whose ``dtype`` is ``x``'s dtype.
+      A `QTensor` whose ``dtype`` is ``x``'s dtype. Its codes are constants of
+      differentiation, in every format (`jaxquant.fake_quant` has the STE gradients).
 
     Raises:
       TypeError: non-float ``x`` or ``scale``, an argument that is not an array
@@ -291,21 +292,6 @@ def _quantize_explicit(x, scale, zero_point, fmt, layout, saturate, packed, key)
 def scale_values_of(scale) -> jax.Array:
     """float32 values of a scale array or of a `QTensor` of scales."""
     return dequantize_values(scale) if isinstance(scale, QTensor) else scale.astype(jnp.float32)
-
-
-def computed_scale(x: jax.Array, fmt: Format, layout: Layout, symmetric: bool,
-                   options: ScaleOptions):
-    """(stored scale, its float32 values, zero point) chosen from ``x`` (traceable)."""
-    if options.plain:
-        scale, zero_point = compute_scale(x, fmt, layout, symmetric)
-        return scale, scale, zero_point
-    amax = group_absmax(jax.lax.stop_gradient(x.astype(jnp.float32)), layout, options.pow2)
-    if symmetric or not fmt.is_integer:  # one pass over x: the scale from the same maxima
-        scale, zero_point = scale_from_range(amax, amax, fmt, symmetric=True)
-    else:
-        scale, zero_point = compute_scale(x, fmt, layout, symmetric)
-    stored, values = store_scale(scale, amax, fmt, options)
-    return stored, values, zero_point
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "layout", "symmetric", "saturate", "packed",

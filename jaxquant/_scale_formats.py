@@ -57,8 +57,10 @@ from jaxquant._corrected_division import bits as f32_bits
 from jaxquant._formats import Format, get_format
 from jaxquant._granularity import Layout, group_reduce
 from jaxquant._rounding import exponent, pow2
+from jaxquant._scales import compute_scale, scale_from_range
 
-__all__ = ["ScaleOptions", "scale_options", "store_scale", "group_absmax", "DOUBLE_QUANT_BLOCK"]
+__all__ = ["ScaleOptions", "scale_options", "store_scale", "group_absmax", "pow2_group_scales",
+           "computed_scale", "DOUBLE_QUANT_BLOCK"]
 
 ScaleRounding = Literal["floor", "ceil", "up_on_overflow"]
 DOUBLE_QUANT_BLOCK = 256
@@ -144,37 +146,45 @@ def _half_top_gap(fmt: Format) -> tuple[float, bool]:
     return gap / 2, round(fmt.max_finite / gap) % 2 == 1
 
 
-def group_absmax(x: jax.Array, layout: Layout, exact_subnormals: bool = True) -> jax.Array:
+def group_absmax(x: jax.Array, layout: Layout) -> jax.Array:
     """``max(|x|)`` of each group of float32 ``x``, NaN for a group holding one.
 
     One pass over memory: a reduction of ``|x|`` per tensor or axis, and
     ``max(-min, max)`` over blocks and tiles (XLA:CPU writes ``|x|`` out to
     memory for a blocked reduction of it). XLA:CPU's float comparisons read
-    subnormals as zero, so there, with ``exact_subnormals``, groups whose maximum
-    reads as zero are reduced again over the bits (ordered as the magnitudes): a
-    group of subnormals gets its true maximum, not the scale 1 of an all-zero
-    group. Only power-of-two scales need it (their exponent is read from the bits);
-    float scales compare it as zero all the same, and the check costs one more
-    per-group array.
+    subnormals as zero, so there a group of subnormals has maximum 0 (float scales
+    treat it as all zeros; `pow2_group_scales` reads its exponent from the bits).
     """
     if layout.kind in ("tensor", "axis"):
-        amax = group_reduce(jnp.abs(x), layout, jnp.max)
-    else:
-        amax = jnp.maximum(-group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max))
-    if not exact_subnormals:
-        return amax
+        return group_reduce(jnp.abs(x), layout, jnp.max)
+    return jnp.maximum(-group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max))
+
+
+def pow2_group_scales(x: jax.Array, amax: jax.Array, layout: Layout, fmt: Format,
+                      rounding: ScaleRounding):
+    """`pow2_scale` of the groups of float32 ``x`` (``amax``: `group_absmax`), exact for
+    groups of float32 subnormals.
+
+    On CPU, where such a group's maximum reads as 0, groups that read as zero are
+    reduced again over the bits (ordered as the magnitudes), only when there are
+    any; a group of subnormals then gets the smallest scale ``2**-126`` and keeps
+    its codes, not the scale 1 of an all-zero group. The branch hands on the
+    uint8 scale codes (LLVM would fold a test of a float32's bits back into a
+    float comparison, which reads subnormals as zero again).
+    """
+    def codes(amax):
+        return jax.lax.bitcast_convert_type(pow2_scale(amax, fmt, rounding)[0], jnp.uint8)
 
     def exact_on_cpu(amax, x):
         def from_bits():
             magnitude = group_reduce(f32_bits(x) & 0x7FFFFFFF, layout, jnp.max)
-            return jnp.where(amax == 0, magnitude, f32_bits(amax))
-        return jax.lax.cond(jnp.any(amax == 0), from_bits, lambda: f32_bits(amax))
+            exact = jnp.where(amax == 0, magnitude, f32_bits(amax))
+            return codes(jax.lax.bitcast_convert_type(exact, jnp.float32))
+        return jax.lax.cond(jnp.any(amax == 0), from_bits, lambda: codes(amax))
 
-    # Handed on as int32 bits: LLVM folds a test of the bits of a float32 loaded as
-    # float back into a float comparison, which reads subnormals as zero again.
-    magnitude = jax.lax.platform_dependent(amax, x, cpu=exact_on_cpu,
-                                           default=lambda amax, x: f32_bits(amax))
-    return jax.lax.bitcast_convert_type(magnitude, jnp.float32)
+    bits = jax.lax.platform_dependent(amax, x, cpu=exact_on_cpu, default=lambda a, x: codes(a))
+    values = jnp.where(bits == 255, jnp.float32(jnp.nan), pow2(bits.astype(jnp.int32) - 127))
+    return jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu), values
 
 
 def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
@@ -219,8 +229,6 @@ def store_scale(scale: jax.Array, amax: jax.Array, fmt: Format, options: ScaleOp
     from jaxquant._quantize import dequantize_values, quantize_computed_values  # (circular)
 
     dt = options.dtype
-    if dt is not None and dt.name == "float8_e8m0fnu":
-        return pow2_scale(amax, fmt, options.rounding)
     if options.two_level:
         inner = get_format(dt if dt is not None and dt.name != "float32" else jnp.float8_e4m3fn)
         if scale.ndim == 0:
@@ -255,3 +263,18 @@ def _plain_scale(scale: jax.Array, dt: np.dtype) -> jax.Array:
     up = (stored.astype(jnp.float32) < s) & (s < jnp.float32(info.smallest_normal))
     bumped = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(stored, uint) + 1, dt)
     return jnp.where(up, bumped, stored)
+
+
+def computed_scale(x: jax.Array, fmt: Format, layout: Layout, symmetric: bool,
+                   options: ScaleOptions):
+    """(stored scale, its float32 values, zero point) chosen from ``x`` (traceable)."""
+    if options.plain:
+        scale, zero_point = compute_scale(x, fmt, layout, symmetric)
+        return scale, scale, zero_point
+    xs = jax.lax.stop_gradient(x.astype(jnp.float32))
+    amax = group_absmax(xs, layout)
+    # Non-plain scales are symmetric (`scale_options`): the scale from the same maxima.
+    scale, zero_point = scale_from_range(amax, amax, fmt, symmetric=True)
+    if options.pow2:
+        return *pow2_group_scales(xs, amax, layout, fmt, options.rounding), zero_point
+    return *store_scale(scale, amax, fmt, options), zero_point
