@@ -76,8 +76,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
     """Saves a tree of arrays and `QTensor` leaves to a safetensors file.
 
     Every leaf is stored under its ``/``-joined tree path; a `QTensor` as
-    ``<path>/qvalue``, ``<path>/scale`` and ``<path>/zero_point``; 2- and 4-bit
-    codes packed two (or four) per byte. The header that describes the tree,
+    ``<path>/qvalue``, ``<path>/scale`` and, if it has one, ``<path>/zero_point``;
+    2- and 4-bit codes packed two (or four) per byte, 6-bit codes four in three
+    bytes. The header that describes the tree,
     with a CRC-32 of every tensor, is the JSON string ``__metadata__["jaxquant"]``
     (see the README's "Checkpoint format"). The file is written to a temporary
     name and then renamed, so ``path`` never holds half a checkpoint.
@@ -94,8 +95,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
     Raises:
       FileNotFoundError: the directory of ``path`` does not exist.
       TypeError: a leaf that is not an array, or bad ``metadata``.
-      ValueError: two leaves whose paths (or tensor names) coincide; a leaf at the path
-        ``"__metadata__"`` (safetensors' name for the metadata); a reserved metadata key;
+      ValueError: two leaves whose paths (or tensor names) coincide; an array leaf at
+        the path ``"__metadata__"`` (safetensors' name for the metadata; a `QTensor`
+        there is stored as ``__metadata__/qvalue``...); a reserved metadata key;
         packed codes with nonzero padding bits in their last byte; 6-bit codebook codes
         of 64 or more.
 

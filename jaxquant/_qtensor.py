@@ -86,9 +86,10 @@ class QTensor:
       ``axis`` (blocked); or, with a tuple ``block_size`` (one tile length per
       axis, ``axis=None``), ``ceil(shape[i] / block_size[i])`` along every axis;
     * ``scale`` is a float array of any float dtype (float32, bfloat16,
-      ``float8_e8m0fnu`` powers of two for MX formats...) or itself a
-      `QTensor` of float scales (two-level scales: NVFP4's float8 block scales
-      with a float32 tensor scale, double quantization);
+      ``float8_e8m0fnu`` powers of two for MX formats...; a weakly typed one,
+      ``jnp.array(0.5)``, is stored as float32) or itself a `QTensor` of float
+      scales (two-level scales: NVFP4's float8 block scales with a float32 tensor
+      scale, double quantization);
     * ``codebook`` names a codebook format (``"nf4"``, ``"fp4"``,
       ``"float6_e2m3fn"``...): ``qvalue`` then holds unsigned code indices
       (uint4, or uint8 for 6-bit codes) and the value of a code is its table

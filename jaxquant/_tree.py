@@ -351,6 +351,10 @@ def dequantize_tree(tree: Any) -> Any:
     Returns:
       The same structure, `QTensor` leaves replaced by `jaxquant.dequantize`.
 
+    Raises:
+      ValueError: a `QTensor` stacked by ``jax.vmap`` / ``lax.scan`` (its leaves do not
+        fit its metadata: dequantize it inside them, one layer at a time).
+
     Example:
       >>> import jaxquant as jq
       >>> t = jq.dequantize_tree(jq.quantize_tree({"w": jnp.eye(2)}))

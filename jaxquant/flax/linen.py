@@ -147,7 +147,9 @@ class QuantizedLinen:
 
         Raises:
           ValueError: a QTensor kernel that the layer's int8 dot cannot take (see
-            `jaxquant.qdot_general`), or a non-int8 `ActSpec` at inference.
+            `jaxquant.qdot_general`), or a non-int8 `ActSpec` at inference on a layer
+            with an int8 x int8 path (``ConvTranspose`` / ``ConvLocal`` fake-quantize
+            their input with any `ActSpec`).
         """
         return self._run(self.module.apply, variables, *args, **kwargs)
 
@@ -305,7 +307,7 @@ def quantize_linen(module: nn.Module, rules: Rules) -> QuantizedLinen:
 
     Returns:
       A `QuantizedLinen` with ``init``, ``apply``, ``quantize_params``,
-      ``layers`` and ``unused_rules``.
+      ``input_grams``, ``layers`` and ``unused_rules``.
 
     Raises:
       TypeError: ``module`` is not a linen Module; malformed rules.
