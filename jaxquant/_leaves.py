@@ -8,7 +8,7 @@ import jax
 import numpy as np
 
 from jaxquant._packing import PackedArray
-from jaxquant._qtensor import QTensor
+from jaxquant._qtensor import QTensor, check_consistent
 
 __all__ = ["is_record", "is_abstract", "leaf_dtype", "leaf_nbytes"]
 
@@ -52,3 +52,22 @@ def leaf_dtype(leaf):
         return np.asarray(leaf).dtype
     extended = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
     return leaf.dtype if extended else np.dtype(leaf.dtype)
+
+
+def stacked_axes(qt: QTensor, where: str) -> int:
+    """How many leading axes ``qt`` was stacked along by ``jax.vmap`` / ``lax.scan`` (the
+    layers of a scanned model), ``0`` for a plain QTensor: the fewest whose removal leaves
+    codes, scales and zero points that fit the metadata.
+
+    Raises:
+      ValueError, TypeError: no such number (`check_consistent`'s error, naming ``where``).
+    """
+    for k in range(qt.ndim + 1):
+        view = jax.tree.map(lambda a, k=k: jax.ShapeDtypeStruct(a.shape[k:], a.dtype), qt)
+        try:
+            check_consistent(view)
+            return k
+        except (TypeError, ValueError):
+            continue
+    check_consistent(qt, where)  # raises
+    return 0

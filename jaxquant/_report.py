@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant._leaves import is_abstract, is_record, leaf_dtype, leaf_nbytes
-from jaxquant._qtensor import QTensor, check_consistent, is_qtensor
+from jaxquant._leaves import is_abstract, is_record, leaf_dtype, leaf_nbytes, stacked_axes
+from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
 from jaxquant._schemes import format_name
 from jaxquant._tree import QuantSpec, path_str
@@ -103,32 +103,13 @@ def _scaled_square_sum(v: jax.Array) -> tuple[jax.Array, jax.Array]:
     return jnp.sum(u * u), e
 
 
-def _stacked_axes(qt: QTensor, path: str) -> int:
-    """How many leading axes ``qt`` was stacked along by ``jax.vmap`` / ``lax.scan`` (the
-    layers of a scanned model), ``0`` for a plain QTensor: the fewest whose removal leaves
-    codes, scales and zero points that fit the metadata.
-
-    Raises:
-      ValueError, TypeError: no such number (`check_consistent`'s error, naming ``path``).
-    """
-    for k in range(qt.ndim + 1):
-        view = jax.tree.map(lambda a, k=k: jax.ShapeDtypeStruct(a.shape[k:], a.dtype), qt)
-        try:
-            check_consistent(view)
-            return k
-        except (TypeError, ValueError):
-            continue
-    check_consistent(qt, f"qtree leaf {path!r}")  # raises
-    return 0
-
-
 @functools.partial(jax.jit, static_argnums=3)
 def _errors(x: jax.Array, qt: QTensor, lo: jax.Array | None = None,
             stacked: int = 0) -> tuple[jax.Array, ...]:
     """One leaf's ``(sum x^2, sum d^2)`` as scaled sums and exponents
     (`_scaled_square_sum`) and ``max |d|``, with ``d = x - x_hat``, in float32.
 
-    ``stacked``: the leading axes of a stacked ``qt`` (`_stacked_axes`), each
+    ``stacked``: the leading axes of a stacked ``qt`` (`jaxquant._leaves.stacked_axes`), each
     dequantized under one ``jax.vmap``.
 
     ``lo``: for a float64 reference, ``x - float32(x)`` (`_reference`), added to
@@ -252,7 +233,7 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
             if is_abstract(ref) or is_abstract(q):  # ShapeDtypeStructs: no values to compare
                 continue
             refs.append(_reference(ref))
-            qts.append((q, _stacked_axes(q, paths[i])))
+            qts.append((q, stacked_axes(q, f"qtree leaf {paths[i]!r}")))
             picked.append(i)
     stats = {}
     if picked:

@@ -21,7 +21,7 @@ from jax.typing import DTypeLike
 from jaxquant._args import as_dtype
 from jaxquant._formats import CODEBOOKS, get_format
 from jaxquant._granularity import _is_int
-from jaxquant._leaves import is_abstract, is_record, leaf_nbytes
+from jaxquant._leaves import is_abstract, is_record, leaf_nbytes, stacked_axes
 from jaxquant._progress import progress_bar
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import check_flags, dequantize, quantize
@@ -351,9 +351,13 @@ def dequantize_tree(tree: Any) -> Any:
     Returns:
       The same structure, `QTensor` leaves replaced by `jaxquant.dequantize`.
 
+    A `QTensor` stacked by ``jax.vmap`` / ``lax.scan`` (the layers of a scanned
+    model, one scale set each) is dequantized layer by layer, under as many
+    ``jax.vmap`` as it has stacked axes.
+
     Raises:
-      ValueError: a `QTensor` stacked by ``jax.vmap`` / ``lax.scan`` (its leaves do not
-        fit its metadata: dequantize it inside them, one layer at a time).
+      ValueError: a `QTensor` whose leaves fit its metadata after no number of leading
+        axes is removed (edited by hand).
 
     Example:
       >>> import jaxquant as jq
@@ -362,12 +366,15 @@ def dequantize_tree(tree: Any) -> Any:
       Array([[1., 0.],
              [0., 1.]], dtype=float32)
     """
-    def restore(leaf):
+    def restore(path, leaf):
         if not is_qtensor(leaf):
             return leaf
-        return jax.eval_shape(dequantize, leaf) if is_abstract(leaf) else dequantize(leaf)
+        f = dequantize
+        for _ in range(stacked_axes(leaf, f"tree leaf {path_str(path)!r}")):
+            f = jax.vmap(f)
+        return jax.eval_shape(f, leaf) if is_abstract(leaf) else f(leaf)
 
-    return jax.tree.map(restore, tree, is_leaf=is_qtensor)
+    return jax.tree_util.tree_map_with_path(restore, tree, is_leaf=is_qtensor)
 
 
 def tree_nbytes(tree: Any) -> int:

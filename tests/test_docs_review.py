@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 import jaxquant as jq
@@ -124,12 +125,16 @@ def test_trees_page_rule_containers_and_abstract_leaves():
     assert "dequantize to `jax.ShapeDtypeStruct`s" in page
 
 
-def test_dequantize_tree_refuses_stacked_qtensors_as_documented():
-    stacked = jax.vmap(lambda a: jq.quantize(a, axis=1))(jnp.ones((3, 4, 4)))
-    with pytest.raises(ValueError, match="vmap"):
-        jq.dequantize_tree({"w": stacked})
-    doc = inspect.getdoc(jq.dequantize_tree)
-    assert "ValueError: a `QTensor` stacked by" in doc
+def test_dequantize_tree_of_stacked_qtensors_as_documented():
+    """Layers stacked by vmap dequantize layer by layer, each with its own scales."""
+    x = jnp.arange(48.0).reshape(3, 4, 4) ** 1.5
+    stacked = jax.vmap(lambda a: jq.quantize(a, axis=1))(x)
+    got = jq.dequantize_tree({"w": stacked})["w"]
+    want = np.stack([np.asarray(jq.dequantize(jq.quantize(a, axis=1))) for a in x])
+    np.testing.assert_array_equal(np.asarray(got), want)
+    abstract = jq.dequantize_tree(jax.eval_shape(lambda: {"w": stacked}))["w"]
+    assert (abstract.shape, abstract.dtype) == ((3, 4, 4), jnp.float32)
+    assert "dequantized layer by layer" in _words(inspect.getdoc(jq.dequantize_tree))
 
 
 def test_packing_page_and_checkpoint_docstring_name_6_bit_packing():
