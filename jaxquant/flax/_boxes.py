@@ -109,12 +109,18 @@ class QuantizedParam(nnx.Param):
     replace = copy
 
 
-def keep_sharding(layer, name: str, var, extra: int) -> None:
+def keep_sharding(layer, name: str, var, extra: int, boxed: dict) -> None:
     """Swaps ``var``, the ``nnx.Param`` ``name`` of ``layer`` (holding a QTensor now), for a
-    `QuantizedParam` with its metadata; ``extra``: leading stacked-layer axes."""
+    `QuantizedParam` with its metadata; ``extra``: leading stacked-layer axes; ``boxed``:
+    ``{id(var): (var, its QuantizedParam)}`` of the layers done, updated, so that layers
+    sharing one kernel Variable go on sharing one."""
+    if id(var) in boxed:
+        setattr(layer, name, boxed[id(var)][1])
+        return
     metadata = var.get_metadata(exclude_required=True)
     if type(var) is nnx.Param:
         metadata.update(stacked=extra)
         if metadata.get("out_sharding"):
             metadata.update(eager_sharding=False)  # placed as the float kernel
-        setattr(layer, name, QuantizedParam(var.get_raw_value(), **metadata))
+        boxed[id(var)] = (var, QuantizedParam(var.get_raw_value(), **metadata))
+        setattr(layer, name, boxed[id(var)][1])

@@ -22,10 +22,17 @@ from flax.nnx.nn.dtypes import promote_dtype as nnx_promote_dtype
 
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
+from jaxquant._schemes import resolve
 from jaxquant.flax._boxes import QuantizedParam, keep_sharding
 from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel, live_grams
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
-from jaxquant.flax._nnx_graph import covered_layers, layer_paths
+from jaxquant.flax._nnx_graph import (
+    covered_layers,
+    kernel_name,
+    layer_paths,
+    stack,
+    stacked_axes,
+)
 from jaxquant.flax._ops import (
     QATDot,
     QATEinsum,
@@ -60,11 +67,12 @@ class LearnedScale(nnx.Module):
       (2,)
     """
 
-    def __init__(self, promote: QATPromote, scale: jax.Array,
-                 zero_point: jax.Array | None = None):
-        self.promote = promote
-        self.scale = nnx.Param(scale)
-        self.zero_point = None if zero_point is None else nnx.Param(zero_point)
+    def __init__(self, promote: QATPromote, scale: jax.Array | nnx.Param,
+                 zero_point: jax.Array | nnx.Param | None = None):
+        self.promote = promote  # a Param given (another layer's, one kernel): shared
+        param = lambda v: v if isinstance(v, nnx.Param) else nnx.Param(v)  # noqa: E731
+        self.scale = param(scale)
+        self.zero_point = None if zero_point is None else param(zero_point)
 
     def values(self) -> tuple[jax.Array, jax.Array | None]:
         """The current ``(scale, zero_point or None)``."""
@@ -75,46 +83,12 @@ class LearnedScale(nnx.Module):
         return fn(*args, **kwargs)
 
 
-def _kernel_name(layer) -> str:
-    return "embedding" if isinstance(layer, nnx.Embed) else "kernel"
-
-
 def _contract(layer):
     if isinstance(layer, nnx.Conv | nnx.ConvTranspose | nnx.Einsum):  # Einsum: `QATEinsum`
         return None
     if isinstance(layer, nnx.LinearGeneral):
         return tuple(layer.axis)
     return (-1,)
-
-
-def _kernel_shape(layer) -> tuple[int, ...]:
-    """The shape of one layer's kernel (table), from the layer's attributes."""
-    if isinstance(layer, nnx.Embed):
-        return (layer.num_embeddings, layer.features)
-    if isinstance(layer, nnx.Conv | nnx.ConvTranspose | nnx.Einsum):
-        return tuple(layer.kernel_shape)
-    if isinstance(layer, nnx.LinearGeneral):
-        return (*layer.batch_axis.values(), *layer.in_features, *layer.out_features)
-    return (layer.in_features, layer.out_features)
-
-
-def _stacked(path: str, layer, kernel) -> int:
-    """How many leading axes stack copies of the layer's kernel (``nnx.vmap``-made
-    layers), or a ValueError naming the layer when ``kernel`` does not end in its shape."""
-    want = _kernel_shape(layer)
-    shape = tuple(kernel.shape)
-    if shape[len(shape) - len(want):] != want:
-        raise ValueError(f"the {type(layer).__name__} at {path!r} expects a "
-                         f"{_kernel_name(layer)} of shape {want} (or stacked layers of it), got "
-                         f"{'a QTensor' if is_qtensor(kernel) else 'an array'} of shape {shape}.")
-    return len(shape) - len(want)
-
-
-def _stack(fn, extra: int):
-    """``fn`` vmapped over ``extra`` leading axes: one layer's kernel at a time."""
-    for _ in range(extra):
-        fn = jax.vmap(fn)
-    return fn
 
 
 def _own_promote(layer):
@@ -152,7 +126,8 @@ def nnx_layers(model: nnx.Module, rules: Rules) -> dict[str, QuantConfig | None]
       ``{path: QuantConfig or None}`` (``None``: stays float).
 
     Raises:
-      TypeError, ValueError: malformed rules.
+      TypeError: ``model`` is not an nnx Module; malformed rules.
+      ValueError: an invalid pattern; rules that disagree on a shared layer or kernel.
 
     Example:
       >>> from flax import nnx
@@ -174,6 +149,9 @@ def nnx_unused_rules(model: nnx.Module, rules: Rules) -> list:
     Returns:
       The rules, as given, that are the first match of no layer (at any of
       its paths: a shared layer has several).
+
+    Raises:
+      TypeError, ValueError: as `nnx_layers`.
 
     Example:
       >>> from flax import nnx
@@ -199,7 +177,8 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
 
     Returns:
       ``model`` itself. Parameters are untouched; ``learn_scale=True`` adds an
-      ``nnx.Param`` scale (and zero point) per layer (see `LearnedScale`). A
+      ``nnx.Param`` scale (and zero point) per layer (see `LearnedScale`; layers
+      sharing one kernel ``Variable`` share them). A
       second call starts from the float layers: what an earlier call injected
       is removed first (a ``None`` rule makes a layer float again).
 
@@ -215,15 +194,14 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
       >>> type(model.promote_dtype).__name__
       'QATPromote'
     """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
+    learned: dict = {}  # {id(kernel Variable): (Variable, its LearnedScale)}
     for path, layer, cfg in list(covered_layers(model, rules)):
-        if is_qtensor(getattr(layer, _kernel_name(layer))[...]):
+        if is_qtensor(getattr(layer, kernel_name(layer))[...]):
             if cfg is None:
                 continue
             raise ValueError(f"the {type(layer).__name__} at {path!r} has a QTensor "
-                             f"{_kernel_name(layer)} (from nnx_quantize); quantization-aware "
-                             f"training needs its float {_kernel_name(layer)}.")
+                             f"{kernel_name(layer)} (from nnx_quantize); quantization-aware "
+                             f"training needs its float {kernel_name(layer)}.")
         _unwire(layer)
         if cfg is None or (cfg.weight is None and cfg.act is None):
             continue
@@ -239,11 +217,17 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
             act = None
         promote = QATPromote(layer.promote_dtype, weight, act, _contract(layer), where=where)
         if cfg.learn_scale:
-            kernel = getattr(layer, _kernel_name(layer))[...]
-            init = _stack(functools.partial(init_qparams, spec=weight),
-                          _stacked(path, layer, kernel))
+            var = getattr(layer, kernel_name(layer))
+            if id(var) in learned:  # the same kernel: the same learned scale
+                first = learned[id(var)][1]
+                layer.promote_dtype = nnx.data(LearnedScale(promote, first.scale,
+                                                            first.zero_point))
+                continue
+            init = stack(functools.partial(init_qparams, spec=weight),
+                          stacked_axes(path, layer, var[...]))
             with layer_errors(where):
-                layer.promote_dtype = nnx.data(LearnedScale(promote, *init(kernel)))
+                layer.promote_dtype = nnx.data(LearnedScale(promote, *init(var[...])))
+            learned[id(var)] = (var, layer.promote_dtype)
         else:
             layer.promote_dtype = nnx.static(promote)
     return model
@@ -266,6 +250,7 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
       ``{path: float32 (in, in) array}``, for `nnx_quantize` ``grams=``.
 
     Raises:
+      TypeError: ``model`` is not an nnx Module; malformed rules.
       ValueError: a recorded layer run inside ``nnx.scan``, ``nnx.vmap`` or ``nnx.remat``.
 
     Example:
@@ -292,9 +277,16 @@ def _quantize_kernel(path: str, kernel, spec, hook, extra: int):
     """The QTensor of one layer's kernel (learned scales from ``hook``), or an error naming
     the layer."""
     learned = isinstance(hook, LearnedScale)
+    ndim = kernel.ndim - extra  # axis -1 and ndim - 1 are one layout; packing is storage
+    norm = lambda w: dataclasses.replace(  # noqa: E731
+        w, packed=False, axis=w.axis if w.axis is None else w.axis % ndim)
+    if learned and norm(hook.promote.weight) != norm(spec):
+        raise ValueError(f"layer {path!r} learned its scales in nnx_qat for weight="
+                         f"{hook.promote.weight}, but the rule gives weight={spec}; quantize "
+                         f"it with the spec it was trained with (packed may differ).")
     fn = functools.partial(learned_qtensor, spec=spec) if learned else spec
     try:
-        return _stack(fn, extra)(kernel, *(hook.values() if learned else ()))
+        return stack(fn, extra)(kernel, *(hook.values() if learned else ()))
     except (TypeError, ValueError) as e:
         raise type(e)(f"layer {path!r}: cannot quantize its kernel ({kernel.dtype}"
                       f"{list(kernel.shape)}) as its rule says: {e}") from None
@@ -322,7 +314,9 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
-      ValueError: an invalid pattern; a masked convolution; a gram for no covered
+      ValueError: an invalid pattern; a masked convolution; a rule whose weight spec
+        is not the one a layer learned its scales for in `nnx_qat`, or whose format is
+        not that of a layer's QTensor kernel (converted before); a gram for no covered
         layer or for a layer GPTQ cannot quantize (see
         `QuantizedLinen.quantize_params`).
 
@@ -336,12 +330,11 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
       >>> model(jnp.ones((1, 3))).shape
       (1, 2)
     """
-    if not isinstance(model, nnx.Module):
-        raise TypeError(f"model must be a flax.nnx.Module, got {type(model).__name__}.")
     layers = list(covered_layers(model, rules))
     if grams is not None:
-        check_gptq_layers(grams, {p: (cfg, np.ndim(getattr(layer, _kernel_name(layer))[...]))
+        check_gptq_layers(grams, {p: (cfg, np.ndim(getattr(layer, kernel_name(layer))[...]))
                                   for p, layer, cfg in layers})
+    boxed: dict = {}  # layers sharing a kernel Variable go on sharing its QuantizedParam
     for path, layer, cfg in layers:
         if cfg is None or cfg.weight is None:
             continue
@@ -349,9 +342,9 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             raise ValueError(f"the {type(layer).__name__} at {path!r} has a mask and cannot "
                              f"run on a QTensor kernel; leave it float with a (pattern, None) "
                              f"rule.")
-        var, spec = getattr(layer, _kernel_name(layer)), cfg.weight
+        var, spec = getattr(layer, kernel_name(layer)), cfg.weight
         kernel = var[...]
-        extra = _stacked(path, layer, kernel)  # nnx.vmap-made layers: one QTensor per layer
+        extra = stacked_axes(path, layer, kernel)  # nnx.vmap-made layers: one QTensor per layer
         if not is_qtensor(kernel):
             hook = layer.promote_dtype
             if grams is not None and path in grams:
@@ -359,7 +352,12 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             else:
                 kernel = _quantize_kernel(path, kernel, spec, hook, extra)
             var.set_value(kernel)
-        keep_sharding(layer, _kernel_name(layer), var, extra)
+        elif kernel.format != resolve(spec.dtype, spec.axis, spec.block_size, None).fmt:
+            raise ValueError(f"the {type(layer).__name__} at {path!r} holds a {kernel.format.name}"
+                             f" QTensor {kernel_name(layer)} (an earlier nnx_quantize), but its "
+                             f"rule gives weight dtype {spec.dtype}; a QTensor is not quantized "
+                             f"again: convert the float (or QAT) model.")
+        keep_sharding(layer, kernel_name(layer), var, extra, boxed)
         act, where = cfg.act, f"layer {path!r} ({type(layer).__name__})"
         if isinstance(layer, nnx.Embed | nnx.ConvTranspose):  # ops that take no QTensor
             contract = None if isinstance(layer, nnx.ConvTranspose) else (-1,)
