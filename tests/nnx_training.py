@@ -19,3 +19,15 @@ def train_nnx(model: nnx.Module, x, y, steps: int = 25) -> list[float]:
         return loss
 
     return [float(step(model, opt)) for _ in range(steps)]
+
+
+class SharedKernel(nnx.Module):
+    """Two Linear layers holding one kernel Variable (weight sharing, ALBERT-like)."""
+
+    def __init__(self):
+        self.a = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
+        self.b = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
+        self.b.kernel = self.a.kernel
+
+    def __call__(self, x):
+        return self.b(jnp.tanh(self.a(x)))

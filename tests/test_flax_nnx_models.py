@@ -9,6 +9,8 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
+from nnx_training import SharedKernel  # noqa: E402
+
 import jaxquant as jq  # noqa: E402
 from jaxquant.flax import (  # noqa: E402
     ActSpec,
@@ -29,18 +31,6 @@ def _x(*shape):
 # ----------------------------------------------------------------------------- shared kernels
 
 
-class _SharedKernel(nnx.Module):
-    """Two Linear layers holding one kernel Variable (weight sharing, ALBERT-like)."""
-
-    def __init__(self):
-        self.a = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
-        self.b = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
-        self.b.kernel = self.a.kernel
-
-    def __call__(self, x):
-        return self.b(jnp.tanh(self.a(x)))
-
-
 @pytest.mark.parametrize("b_cfg", [None, QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4))],
                          ids=["b-float", "b-int4"])
 def test_layers_sharing_a_kernel_variable_must_get_the_same_rule(b_cfg):
@@ -50,12 +40,12 @@ def test_layers_sharing_a_kernel_variable_must_get_the_same_rule(b_cfg):
     for fn in (nnx_layers, nnx_qat, nnx_quantize):
         with pytest.raises(ValueError, match=r"Linear at 'b' shares its kernel Variable with "
                                              r"the layer at 'a'.*'b' (None|QuantConfig)"):
-            fn(_SharedKernel(), rules)
+            fn(SharedKernel(), rules)
 
 
 def test_layers_sharing_a_kernel_variable_quantize_once():
-    model, x = _SharedKernel(), _x(3, 8)
-    ref = _SharedKernel()
+    model, x = SharedKernel(), _x(3, 8)
+    ref = SharedKernel()
     ref.a.kernel.set_value(jq.fake_quant(ref.a.kernel[...], axis=-1))
     assert ref.b.kernel is ref.a.kernel
     nnx_quantize(model, QuantConfig())

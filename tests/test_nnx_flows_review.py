@@ -14,6 +14,8 @@ nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 pytest.importorskip("safetensors")
 
+from nnx_training import SharedKernel  # noqa: E402
+
 import jaxquant as jq  # noqa: E402
 from jaxquant.flax import (  # noqa: E402
     ActSpec,
@@ -47,18 +49,6 @@ class MLP(nnx.Module):
         x = nnx.relu(self.fc1(x))
         x = nnx.relu(self.alias(nnx.relu(self.mid(x))))
         return self.head(x)
-
-
-class Tied(nnx.Module):
-    """Two Linear layers holding one kernel Variable."""
-
-    def __init__(self):
-        self.a = nnx.Linear(8, 8, rngs=nnx.Rngs(0))
-        self.b = nnx.Linear(8, 8, rngs=nnx.Rngs(1))
-        self.b.kernel = self.a.kernel
-
-    def __call__(self, x):
-        return self.b(jnp.tanh(self.a(x)))
 
 
 def _params(model):
@@ -225,14 +215,14 @@ def test_train_eval_convert_and_run_split_without_retracing():
 def test_tied_kernel_stays_one_variable_after_quantize(tmp_path):
     # regression: nnx_quantize gave each of two layers sharing a kernel Variable its own
     # QuantizedParam: the tie was lost (two copies in nnx.state and in every checkpoint)
-    model, x = Tied(), X
+    model, x = SharedKernel(), X
     nnx_quantize(model, QuantConfig())
     assert model.a.kernel is model.b.kernel
     state = nnx.state(model)
     assert "kernel" not in state["b"]  # the Variable is listed once, at its first path
     y = run(model, x)
     jq.save_safetensors(tmp_path / "t.safetensors", state)
-    abstract = nnx.eval_shape(lambda: nnx_quantize(Tied(), QuantConfig()))
+    abstract = nnx.eval_shape(lambda: nnx_quantize(SharedKernel(), QuantConfig()))
     graphdef, target = nnx.split(abstract)
     back = nnx.merge(graphdef, jq.load_safetensors(tmp_path / "t.safetensors", target))
     assert back.a.kernel is back.b.kernel
@@ -244,7 +234,7 @@ def test_tied_kernel_learns_one_scale_and_converts_to_the_qat_model():
     # quantized the one kernel with the first layer's, so the second layer ran other codes
     # than in training (max |inference - QAT| ~1e-2)
     cfg = QuantConfig(weight=jq.QuantSpec(dtype=jnp.uint4, symmetric=False), learn_scale=True)
-    model = nnx_qat(Tied(), cfg)
+    model = nnx_qat(SharedKernel(), cfg)
     assert model.a.promote_dtype.scale is model.b.promote_dtype.scale
     assert model.a.promote_dtype.zero_point is model.b.promote_dtype.zero_point
     with jax.numpy_dtype_promotion("standard"):
@@ -266,8 +256,8 @@ def test_tied_kernel_learns_one_scale_and_converts_to_the_qat_model():
 def test_converting_with_another_spec_than_the_learned_scales_raises():
     # regression: int8 scales learned in QAT were used as they are for an int4 rule (codes
     # clipped at 7: every kernel value shrunk to 7/127 of its range), or along another axis
-    model = nnx_qat(Tied(), QuantConfig(learn_scale=True))
-    nnx_quantize(nnx_qat(Tied(), QuantConfig(learn_scale=True)),
+    model = nnx_qat(SharedKernel(), QuantConfig(learn_scale=True))
+    nnx_quantize(nnx_qat(SharedKernel(), QuantConfig(learn_scale=True)),
                  QuantConfig(weight=jq.QuantSpec(axis=1)))  # axis 1 is axis -1 here
     for weight in (INT4, jq.QuantSpec(axis=0)):
         with pytest.raises(ValueError, match=r"layer 'a' learned its scales in nnx_qat for "
@@ -275,7 +265,7 @@ def test_converting_with_another_spec_than_the_learned_scales_raises():
             nnx_quantize(model, QuantConfig(weight=weight))
     assert not jq.is_qtensor(model.a.kernel[...])
     packed = jq.QuantSpec(dtype=jnp.int4, packed=True)
-    model = nnx_qat(Tied(), QuantConfig(weight=INT4, learn_scale=True))
+    model = nnx_qat(SharedKernel(), QuantConfig(weight=INT4, learn_scale=True))
     y_qat = run(model, X)
     nnx_quantize(model, QuantConfig(weight=packed))  # packing is storage only
     assert model.a.kernel[...].packed
