@@ -57,10 +57,10 @@ from jaxquant._corrected_division import bits as f32_bits
 from jaxquant._formats import Format, get_format
 from jaxquant._granularity import Layout, group_reduce
 from jaxquant._rounding import exponent, pow2
-from jaxquant._scales import compute_scale, scale_from_range
+from jaxquant._scales import compute_scale, group_absmax, scale_from_range
 
-__all__ = ["ScaleOptions", "scale_options", "store_scale", "group_absmax", "pow2_group_scales",
-           "computed_scale", "DOUBLE_QUANT_BLOCK"]
+__all__ = ["ScaleOptions", "scale_options", "store_scale", "pow2_group_scales", "computed_scale",
+           "DOUBLE_QUANT_BLOCK"]
 
 ScaleRounding = Literal["floor", "ceil", "up_on_overflow"]
 DOUBLE_QUANT_BLOCK = 256
@@ -146,24 +146,10 @@ def _half_top_gap(fmt: Format) -> tuple[float, bool]:
     return gap / 2, round(fmt.max_finite / gap) % 2 == 1
 
 
-def group_absmax(x: jax.Array, layout: Layout) -> jax.Array:
-    """``max(|x|)`` of each group of float32 ``x``, NaN for a group holding one.
-
-    One pass over memory: a reduction of ``|x|`` per tensor or axis, and
-    ``max(-min, max)`` over blocks and tiles (XLA:CPU writes ``|x|`` out to
-    memory for a blocked reduction of it). XLA:CPU's float comparisons read
-    subnormals as zero, so there a group of subnormals has maximum 0 (float scales
-    treat it as all zeros; `pow2_group_scales` reads its exponent from the bits).
-    """
-    if layout.kind in ("tensor", "axis"):
-        return group_reduce(jnp.abs(x), layout, jnp.max)
-    return jnp.maximum(-group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max))
-
-
 def pow2_group_scales(x: jax.Array, amax: jax.Array, layout: Layout, fmt: Format,
                       rounding: ScaleRounding):
-    """`pow2_scale` of the groups of float32 ``x`` (``amax``: `group_absmax`), exact for
-    groups of float32 subnormals.
+    """`pow2_scale` of the groups of float32 ``x`` (``amax``: their
+    `jaxquant._scales.group_absmax`), exact for groups of float32 subnormals.
 
     On CPU, where such a group's maximum reads as 0, groups that read as zero are
     reduced again over the bits (ordered as the magnitudes), only when there are
