@@ -41,11 +41,10 @@ from jaxquant._tree import is_record, path_str
 
 __all__ = ["is_jaxquant", "read_header", "plan", "storage", "layout_problem"]
 
-# safetensors dtype code -> bits per element
-_ST_BITS = {"BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8,
-            "F8_E5M2FNUZ": 8, "F8_E8M0": 8, "U16": 16, "I16": 16, "F16": 16, "BF16": 16,
-            "U32": 32, "I32": 32, "F32": 32, "U64": 64, "I64": 64, "F64": 64, "C64": 64,
-            "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
+# safetensors dtype code -> bits per element (the codes jaxquant writes, and the sub-byte
+# float codes other writers use)
+_ST_BITS = {code: 8 * jnp.dtype(name).itemsize for name, code in ST_CODES.items()} | {
+    "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6}
 
 
 def layout_problem(path: str) -> str:

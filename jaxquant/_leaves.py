@@ -10,7 +10,7 @@ import numpy as np
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, check_consistent
 
-__all__ = ["is_record", "is_abstract", "leaf_dtype", "leaf_nbytes"]
+__all__ = ["is_record", "is_abstract", "leaf_dtype", "leaf_nbytes", "stacked_axes"]
 
 
 def is_record(x) -> bool:
