@@ -203,7 +203,8 @@ class PackedArray:
     Attributes:
       data: the packed bytes (the only array child).
       dtype: the code format (static).
-      shape: the logical, unpacked shape (static).
+      shape: the logical, unpacked shape (static); rebuilt from the bytes a transform
+        hands over (a layer's in ``vmap``, a shard's in ``jax.shard_map``).
       axis: the packed axis, non-negative (static).
       bits: the code width when ``dtype`` does not say it (6-bit codes held
         as uint8: float6); ``None`` otherwise (static).
@@ -250,7 +251,42 @@ class PackedArray:
         return (sign_extend(u, fmt.bits) if fmt.signed else u).astype(jnp.float32)
 
 
-jax.tree_util.register_dataclass(PackedArray)
+def _codes_in(nbytes: int, bits: int) -> int:
+    """How many codes ``nbytes`` bytes along the packed axis hold, padding included."""
+    return nbytes // 3 * 4 if bits == 6 else nbytes * (8 // bits)
+
+
+def _flatten(p: PackedArray):
+    """The bytes, and metadata without the shape (the packed axis counted from the end, the
+    last byte's padding codes): the shape follows from the bytes a transform hands over."""
+    if p.shape is None:  # a tree map's leaves (specs, None) in place of the bytes
+        return (p.data,), p._aux
+    bits = p.bits or get_format(p.dtype).bits
+    n, m = len(p.shape), p.shape[p.axis] if 0 <= p.axis < len(p.shape) else 0
+    pad = _codes_in(packed_length(m, bits), bits) - m
+    fits = getattr(p.data, "shape", None) == p.shape[:p.axis] + (packed_length(m, bits),) \
+        + p.shape[p.axis + 1:]
+    # bytes that do not fit the shape keep it, so that `check_packed` still sees the mismatch
+    return (p.data,), (p.dtype, p.axis - n, p.bits, pad, None if fits else (p.shape, p.axis))
+
+
+def _unflatten(aux, children) -> PackedArray:
+    (dtype, back, bits, pad, stated), (data,) = aux, children
+    p = object.__new__(PackedArray)
+    shape, axis = stated or (None, None)
+    dims = getattr(data, "shape", None)
+    if stated is None and isinstance(dims, tuple) and len(dims) >= -back:
+        axis = len(dims) + back
+        count = _codes_in(dims[axis], bits or get_format(dtype).bits) - pad
+        shape = dims[:axis] + (count,) + dims[axis + 1:]
+    for k, v in zip(("data", "dtype", "shape", "axis", "bits", "_aux"),
+                    (data, dtype, shape, axis, bits, aux), strict=True):
+        object.__setattr__(p, k, v)
+    return p
+
+
+_with_keys = lambda p: (((jax.tree_util.GetAttrKey("data"), p.data),), _flatten(p)[1])  # noqa: E731
+jax.tree_util.register_pytree_with_keys(PackedArray, _with_keys, _unflatten, _flatten)
 
 
 def check_packed(p: PackedArray, argname: str = "qvalue", hint: str = "") -> None:
