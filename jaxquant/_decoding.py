@@ -82,8 +82,9 @@ def _decode(where: str, key: str, spec: dict, data, sharding, keep_packed: bool)
             else jax.lax.bitcast_convert_type(data, dtype)
         return _put(where, key, data, sharding)
     axis, bits = spec["axis"], spec.get("bits")
-    if keep_packed:
-        return PackedArray(_put(where, key, data, sharding), dtype, shape, axis, bits)
+    if keep_packed:  # the bytes of stacked layers: one layer's shape and axis
+        k = spec.get("stacked", 0)
+        return PackedArray(_put(where, key, data, sharding), dtype, shape[k:], axis - k, bits)
     if sharding is not None and isinstance(data, jax.Array):
         data = np.asarray(data)  # committed elsewhere (orbax): let jit place the input
     return _unpacker(sharding)(data, dtype, shape, axis, bits)
@@ -135,11 +136,26 @@ def _build_qtensor(where: str, path: str, entry: dict, t, load, prefix: str = ""
         scale = load(join(prefix, "scale") if prefix else "scale")
     zp = load(join(prefix, "zero_point") if prefix else "zero_point") \
         if entry["zero_point"] else None
+    kw = dict(axis=entry["axis"], block_size=block_size_of(entry), dtype=entry["dtype"],
+              codebook=entry.get("codebook"))
     try:
-        return QTensor(qvalue, scale, zp, axis=entry["axis"], block_size=block_size_of(entry),
-                       dtype=entry["dtype"], codebook=entry.get("codebook"))
+        return _stacked_qtensor((qvalue, scale, zp), entry.get("stacked", 0), kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{where}: {path!r}: the stored QTensor is inconsistent: {e}") from e
+
+
+def _stacked_qtensor(parts: tuple, k: int, kw: dict) -> QTensor:
+    """``QTensor(*parts, **kw)``; with ``k`` leading axes of stacked layers (as ``jax.vmap``
+    and ``lax.scan`` stack QTensors), one layer's view is checked and the arrays put in it."""
+    if not k:
+        return QTensor(*parts, **kw)
+    arrays = jax.tree_util.tree_leaves(parts)
+    if len({tuple(a.shape[:k]) for a in arrays}) != 1 or min(a.ndim for a in arrays) < k:
+        raise ValueError(f"its arrays do not share {k} leading axes of stacked layers: shapes "
+                         f"{[tuple(a.shape) for a in arrays]}.")
+    layer = QTensor(*jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[k:], a.dtype), parts),
+                    **kw)
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(layer), arrays)
 
 
 def nest(where: str, flat: dict[str, Any]) -> Any:

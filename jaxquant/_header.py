@@ -115,6 +115,10 @@ def storage(spec: dict) -> tuple[np.dtype, tuple[int, ...]]:
         axis = spec["axis"]
         if type(axis) is not int or not 0 <= axis < len(stored):
             raise ValueError(f"packed axis {axis!r} is out of range for shape {list(shape)}")
+        stacked = spec.get("stacked", 0)
+        if type(stacked) is not int or not 0 <= stacked <= axis:
+            raise ValueError(f"stacked={stacked!r} is not a number of axes before the packed "
+                             f"axis {axis}")
         stored[axis] = packed_length(stored[axis], bits)
         return np.dtype(np.uint8), tuple(stored)
     raise ValueError(f"no {encoding!r} storage for dtype {dtype.name}")
@@ -135,6 +139,9 @@ def _leaf_keys(path: str, entry: dict) -> list[str]:
         if not isinstance(entry[name], kinds):
             raise ValueError(f"the QTensor entry {path!r} has {name}={entry[name]!r}; expected "
                              f"a {kinds.__name__}")
+    if type(stacked := entry.get("stacked", 0)) is not int or stacked < 0:
+        raise ValueError(f"the QTensor entry {path!r} has stacked={stacked!r}; expected a "
+                         f"non-negative int")
     if np.dtype(entry["dtype"]).name in _NOT_IN_XLA:  # it could not be dequantized
         raise ValueError(f"the QTensor entry {path!r} has dtype={entry['dtype']!r}, which JAX "
                          f"has no arrays of")
@@ -201,15 +208,19 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
 
 
 def _same(where: str, key: str, expected, spec: dict) -> None:
+    shape, axis = tuple(expected.shape), getattr(expected, "axis", None)
+    if isinstance(expected, PackedArray):  # stacked layers' bytes: their leading axes too
+        k = len(expected.data.shape) - len(shape)
+        shape, axis = tuple(expected.data.shape[:k]) + shape, axis + k
     if np.dtype(expected.dtype).name != spec["dtype"]:
         raise TypeError(f"{where}: {key!r}: dtype mismatch: the target expects "
                         f"{np.dtype(expected.dtype).name}, the file holds {spec['dtype']}.")
-    if tuple(expected.shape) != tuple(spec["shape"]):
+    if shape != tuple(spec["shape"]):
         raise ValueError(f"{where}: {key!r}: shape mismatch: the target expects "
-                         f"{tuple(expected.shape)}, the file holds {tuple(spec['shape'])}.")
-    if isinstance(expected, PackedArray) and expected.axis != spec.get("axis"):
+                         f"{shape}, the file holds {tuple(spec['shape'])}.")
+    if isinstance(expected, PackedArray) and axis != spec.get("axis"):
         raise ValueError(f"{where}: {key!r}: packed axis mismatch: the target expects "
-                         f"{expected.axis}, the file holds {spec.get('axis')}.")
+                         f"{axis}, the file holds {spec.get('axis')}.")
 
 
 def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxquant._formats import FORMATS
+from jaxquant._leaves import stacked_axes
 from jaxquant._packing import PackedArray, pack_bits, pack_fields
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import is_record, path_str
@@ -177,7 +178,10 @@ def _encode_array(key: str, x) -> tuple[dict, Any]:
     spec: dict[str, Any] = {"dtype": dtype.name, "shape": list(shape)}
     if isinstance(x, PackedArray):
         extra = {"bits": x.bits} if x.bits else {}
-        return spec | {"encoding": "packed", "axis": x.axis} | extra, x.data
+        if stacked := x.data.ndim - len(shape):  # the bytes of layers stacked by vmap / scan
+            spec["shape"] = list(x.data.shape[:stacked]) + spec["shape"]
+            extra["stacked"] = stacked
+        return spec | {"encoding": "packed", "axis": x.axis + stacked} | extra, x.data
     if _subbyte_bits(dtype):
         codes = _one_device(jnp.reshape(x, (1,)) if not shape else x)
         return spec | {"encoding": "packed", "axis": codes.ndim - 1}, _pack_last_axis(codes)
@@ -212,6 +216,7 @@ def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
         codes = PackedArray(_pack_fields(_one_device(codes), 6, axis), np.dtype(codes.dtype),
                             qt.shape, axis, 6)
     add(join(path, "qvalue"), codes)
+    stacked = stacked_axes(qt, path)  # layers stacked by vmap / scan (nn.scan, nnx.vmap)
     entry = {"kind": "qtensor", "axis": qt.axis,
              "block_size": list(qt.block_size) if isinstance(qt.block_size, tuple)
              else qt.block_size,
@@ -225,6 +230,8 @@ def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
         add(join(path, "zero_point"), qt.zero_point)
     if qt.codebook is not None:
         entry["codebook"] = qt.codebook
+    if stacked:
+        entry["stacked"] = stacked
     return entry
 
 
