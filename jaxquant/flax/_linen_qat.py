@@ -100,13 +100,15 @@ def qat(m, method: str, cfg: QuantConfig, args, kwargs):
     """
     weight, act = cfg.weight, cfg.act
     updates: dict[str, Any] = {}
-    if cfg.int8_dot and isinstance(m, nn.Dense | nn.DenseGeneral):
+    int8_dot = cfg.int8_dot and isinstance(m, nn.Dense | nn.DenseGeneral)
+    if int8_dot:  # the kernel reaches QATDot uncast: its codes are those quantize_params stores
         updates.update(dot_general=QATDot(weight, act), dot_general_cls=None)
         weight = act = None
     scale = None
     if cfg.learn_scale:
         scale = functools.partial(learned, m.scope, kernel_name(m), weight)
-    promote = QATPromote(m.promote_dtype, weight, act, contract(m, args, kwargs), scale)
+    promote = QATPromote(m.promote_dtype, weight, act, contract(m, args, kwargs), scale,
+                         keep_kernel=int8_dot)
     if isinstance(m, nn.Embed):  # set up already: a clone would create its table again
         table = get_param(m, "embedding")  # float (`m.embedding` is fake-quantized: `_setup`)
         if method == "attend":

@@ -225,6 +225,10 @@ class QATPromote:
         learned ``(scale, zero_point)`` (``zero_point`` None: symmetric).
       where: the layer, put in front of the errors of its rule (nnx; linen's
         interceptor names it).
+      keep_kernel: hand the kernel on in its own dtype, not cast by ``inner`` (the
+        int8 training dot, `QATDot`, quantizes the parameter itself, the codes
+        ``quantize_params`` / ``nnx_quantize`` store, not its cast to a narrower
+        compute ``dtype``).
     """
 
     inner: Callable
@@ -233,6 +237,7 @@ class QATPromote:
     contract: tuple[int, ...] | None
     scale: Callable | None = None
     where: str = ""
+    keep_kernel: bool = False
 
     def __call__(self, *args, dtype=None, inexact: bool = True):
         as_tuple = len(args) == 1 and isinstance(args[0], tuple)
@@ -252,7 +257,11 @@ class QATPromote:
                 if not jnp.issubdtype(jnp.result_type(items[0]), jnp.inexact):
                     items[0] = inner(items[:2])[0]  # integer input (uint8 pixels): cast first
                 items[0] = fake_quant_act(items[0], self.act, self.contract)
-        return inner(items)
+        out = inner(items)
+        if self.keep_kernel and len(items) >= 2:
+            out = [*out[:1], items[1], *out[2:]]
+            return tuple(out) if as_tuple else out
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -300,6 +309,11 @@ class QATDot:
         from jaxquant._qat_dot import qat_dot_general  # imported when first used
 
         act = None if self.act is None else self.act.act_quant()
+        if lhs.dtype != rhs.dtype:  # the kernel in its param dtype (`QATPromote.keep_kernel`)
+            out = preferred_element_type or lhs.dtype  # the float layer's result dtype
+            with jax.numpy_dtype_promotion("standard"):  # bfloat16 and float32: float32
+                common = jnp.promote_types(lhs.dtype, rhs.dtype)
+            lhs, rhs, preferred_element_type = lhs.astype(common), rhs.astype(common), out
         with layer_errors(self.where):
             return qat_dot_general(lhs, rhs, dimension_numbers, precision,
                                    preferred_element_type, weight=self.weight, act=act,

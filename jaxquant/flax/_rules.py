@@ -129,7 +129,10 @@ class QuantConfig:
         ``Linear``/``LinearGeneral``) train through a real int8 x int8 -> int32
         dot with straight-through gradients (``jaxquant._qat_dot``). Needs
         symmetric int8 weights and ``act=None`` or a dynamic int8 `ActSpec`;
-        other layers keep fake quantization.
+        other layers keep fake quantization. The kernel is quantized in its
+        ``param_dtype``, before a layer's narrower compute ``dtype`` (bfloat16)
+        would round it: the codes `QuantizedLinen.quantize_params` / ``nnx_quantize``
+        store.
       learn_scale: the kernel's scale is a trainable variable (LSQ, Esser et
         al. 2020, arXiv:1902.08153), initialized to the scale `jaxquant.quantize`
         computes; with an asymmetric integer spec (``symmetric=False``) so is

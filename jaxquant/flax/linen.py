@@ -22,6 +22,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxquant._leaves import is_abstract
 from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._boxes import box_qtensor
 from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, linen_input_grams
@@ -216,7 +217,10 @@ class QuantizedLinen:
         in training) if it has one, else with
         computed scales (the values fake quantization trained with), or with
         GPTQ (`jaxquant.gptq`) where ``grams`` has the layer's input Gram matrix.
-        Kernels stacked by ``nn.scan`` are quantized layer by layer. The model's
+        Kernels stacked by ``nn.scan`` are quantized layer by layer. Variables of
+        `jax.ShapeDtypeStruct` placeholders (``jax.eval_shape(qm.init, ...)``) give
+        abstract `QTensor` kernels: a target for `jaxquant.load_safetensors` /
+        `jaxquant.load_orbax` without training or quantizing anything. The model's
         inputs (``*args``, ``**kwargs``) are needed to find the layers; ``apply``
         is traced abstractly.
 
@@ -260,7 +264,10 @@ class QuantizedLinen:
             if grams is not None and path in grams:
                 fn = functools.partial(gptq_kernel, gram=grams[path], spec=spec, path=path)
             try:
-                qt = fn(leaf, *learned)
+                if is_abstract(leaf):  # placeholders (jax.eval_shape(qm.init, ...))
+                    qt = jax.eval_shape(fn, leaf, *learned)
+                else:
+                    qt = fn(leaf, *learned)
             except (TypeError, ValueError) as e:
                 if str(e).startswith("grams["):
                     raise

@@ -206,7 +206,8 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
         if cfg is None or (cfg.weight is None and cfg.act is None):
             continue
         weight, act, where = cfg.weight, cfg.act, f"layer {path!r} ({type(layer).__name__})"
-        if cfg.int8_dot and isinstance(layer, nnx.Linear | nnx.LinearGeneral):
+        int8_dot = cfg.int8_dot and isinstance(layer, nnx.Linear | nnx.LinearGeneral)
+        if int8_dot:  # the kernel reaches QATDot uncast (QATPromote keep_kernel)
             cls = getattr(layer, "dot_general_cls", None)
             layer.dot_general = QATDot(weight, act, (layer.dot_general, cls), where)
             if isinstance(layer, nnx.LinearGeneral):
@@ -215,7 +216,8 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
         if isinstance(layer, nnx.Einsum) and act is not None:  # per token of the call's string
             layer.einsum_op = QATEinsum(layer.einsum_op, act, where)
             act = None
-        promote = QATPromote(layer.promote_dtype, weight, act, _contract(layer), where=where)
+        promote = QATPromote(layer.promote_dtype, weight, act, _contract(layer), where=where,
+                             keep_kernel=int8_dot)
         if cfg.learn_scale:
             var = getattr(layer, kernel_name(layer))
             if id(var) in learned:  # the same kernel: the same learned scale
