@@ -4,6 +4,7 @@ Run from the repository root::
 
     python -m benchmarks.weight_streaming             # 9 round-robin rounds of 5 calls
     python -m benchmarks.weight_streaming --rounds 5
+    python -m benchmarks.weight_streaming --shapes 4096x1 4096x32
 
 A jitted 4-layer MLP (Dense(width) + ReLU, float32 input of ``rows`` rows) runs
 with float32 kernels and with int8 per-channel and packed int4 block-128
@@ -115,20 +116,36 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _shape(text: str) -> tuple[int, int]:
+    """``"4096x1"`` -> ``(4096, 1)``."""
+    try:
+        width, rows = map(int, text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected WIDTHxROWS such as 4096x1, got {text!r}") from None
+    if width < 1 or rows < 1:
+        raise argparse.ArgumentTypeError(f"width and rows must be positive, got {text!r}")
+    return width, rows
+
+
 def main(argv=None) -> None:
     """Parses ``--rounds``, ``--calls`` and ``--out``, runs every shape, writes the results."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=9)
     parser.add_argument("--calls", type=int, default=5)
+    parser.add_argument("--shapes", nargs="+", type=_shape, default=SHAPES, metavar="WIDTHxROWS",
+                        help="(width, rows) pairs to run, e.g. 4096x1 (default: all seven)")
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     load_before, start = os.getloadavg()[0], time.perf_counter()
-    rows = [r for width, n in SHAPES for r in measure(width, n, args.rounds, args.calls)]
+    rows = [r for width, n in args.shapes for r in measure(width, n, args.rounds, args.calls)]
     result = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "command": f"python -m benchmarks.weight_streaming --rounds {args.rounds} "
-                   f"--calls {args.calls}",
+                   f"--calls {args.calls}"
+                   + ("" if args.shapes == SHAPES else
+                      " --shapes " + " ".join(f"{w}x{n}" for w, n in args.shapes)),
         "machine": machine_info(["jax", "jaxlib", "numpy"]),
         "load_average": [load_before, os.getloadavg()[0]],
         "wall_s": round(time.perf_counter() - start, 1),

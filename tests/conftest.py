@@ -16,12 +16,15 @@ jax.config.update("jax_default_matmul_precision", "highest")
 import pytest  # noqa: E402
 
 
-@pytest.fixture
-def small_chunks(monkeypatch):
-    """Streams weight-only dots in chunks of at most 8 KiB of float32 (many chunks)."""
+@pytest.fixture(scope="class")
+def small_chunks():
+    """Streams weight-only dots in chunks of at most 8 KiB of float32 (many chunks), for a
+    whole test class: the jit caches are cleared on entry and on exit (no program compiled
+    with another chunk size is reused), not around every test."""
     from jaxquant import _weight_only
 
-    monkeypatch.setattr(_weight_only, "STREAM_BYTES", 8192)
-    jax.clear_caches()
-    yield
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_weight_only, "STREAM_BYTES", 8192)
+        jax.clear_caches()
+        yield
     jax.clear_caches()

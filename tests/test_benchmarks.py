@@ -113,7 +113,9 @@ def test_qat_mlp(tmp_path):
 @pytest.mark.skipif(jax.default_backend() != "cpu",
                     reason="streams on XLA:CPU only, as tests/test_weight_streaming.py")
 def test_weight_streaming_bounds_temporary_memory(tmp_path):
-    report = run_benchmark("weight_streaming", "--rounds", "1", "--calls", "1", out=tmp_path)
+    report = run_benchmark("weight_streaming", "--rounds", "1", "--calls", "1",
+                           "--shapes", "4096x1", "1024x32", out=tmp_path)
+    assert {(r["width"], r["rows"]) for r in report["rows"]} == {(4096, 1), (1024, 32)}
     rows = [r for r in report["rows"] if r["width"] == 4096 and r["rows"] == 1]
     temp = {r["case"]: r["temp_mib"] for r in rows}
     float_weight_mib = 4096 * 4096 * 4 / 2**20

@@ -32,8 +32,8 @@ def _assert_same_state(got, want):
 # ----------------------------------------------------------------------------- sharded batches
 
 
+# percentile observers update with the histogram's own kernel: the histogram covers them.
 @pytest.mark.parametrize("make", [lambda axis: cal.histogram(64, axis=axis),
-                                  lambda axis: cal.percentile(99.0, bins=64, axis=axis),
                                   lambda axis: cal.moving_average_minmax(0.3, axis=axis),
                                   lambda axis: cal.minmax(axis=axis)])
 @pytest.mark.parametrize("axis", [None, 0, -1])

@@ -8,7 +8,8 @@ import pytest
 import jaxquant as jq
 
 
-@pytest.mark.parametrize("fmt", ["int4", "uint8", "int8", "float8_e4m3fn", "float4_e2m1fn"])
+# int8 takes int4's path (signed, no zero point); uint8 covers the zero point.
+@pytest.mark.parametrize("fmt", ["int4", "uint8", "float8_e4m3fn", "float4_e2m1fn"])
 @pytest.mark.parametrize("gran", [dict(), dict(axis=1), dict(axis=1, block_size=3)])
 def test_value_is_dequantize_of_quantize(fmt, gran):
     x = jnp.asarray(np.random.default_rng(0).standard_normal((4, 7)).astype(np.float32)) * 3
@@ -46,7 +47,7 @@ def test_computed_mode_scale_is_constant_in_backward():
     np.testing.assert_array_equal(g, jnp.ones(4))  # absmax scale never clips
 
 
-@pytest.mark.parametrize("fmt", ["int8", "int4", "int2"])
+@pytest.mark.parametrize("fmt", ["int8", "int2"])  # the widest and the narrowest qmax
 @pytest.mark.parametrize("gran", [dict(), dict(axis=-1), dict(axis=0, block_size=5)])
 def test_computed_absmax_gradient_equals_the_clipped_ste(fmt, gran):
     # Computed symmetric scales take a backward pass that returns g unchanged; it must
@@ -55,26 +56,32 @@ def test_computed_absmax_gradient_equals_the_clipped_ste(fmt, gran):
     x = jnp.asarray(rng.standard_normal((12, 9)) * np.linspace(0.1, 30, 9), jnp.float32)
     x = x.at[3, 4].set(0.0).at[:, 2].set(0.0)  # an all-zero channel: scale 1
     g = jnp.asarray(rng.standard_normal(x.shape), jnp.float32)
-    scale = jq.quantize(x, dtype=fmt, **gran).scale
-    computed = jax.vjp(lambda x: jq.fake_quant(x, dtype=fmt, **gran), x)[1](g)[0]
-    explicit = jax.vjp(lambda x: jq.fake_quant(x, scale, dtype=fmt, **gran), x)[1](g)[0]
+
+    @jax.jit  # both backward passes in one program
+    def vjps(x, g):
+        scale = jq.quantize(x, dtype=fmt, **gran).scale
+        return (jax.vjp(lambda x: jq.fake_quant(x, dtype=fmt, **gran), x)[1](g)[0],
+                jax.vjp(lambda x: jq.fake_quant(x, scale, dtype=fmt, **gran), x)[1](g)[0])
+
+    computed, explicit = vjps(x, g)
     np.testing.assert_array_equal(computed, explicit)
     np.testing.assert_array_equal(computed, g)
 
 
 def test_gradient_dtype_follows_input():
     x = jnp.ones((3,), jnp.bfloat16)
-    g = jax.grad(lambda x: jq.fake_quant(x, jnp.float32(0.1)).astype(jnp.float32).sum())(x)
+    g = jax.jit(jax.grad(lambda x: jq.fake_quant(x, jnp.float32(0.1)).astype(jnp.float32).sum()))(x)
     assert g.dtype == jnp.bfloat16
 
 
 def test_learnable_scale_moves_to_reduce_clipping():
     """Training only the scale on data that clips must grow the scale (LSQ direction)."""
     x = jnp.asarray(np.random.default_rng(0).standard_normal(512).astype(np.float32))
-    loss = lambda s: jnp.mean((jq.fake_quant(x, s, dtype=jnp.int4) - x) ** 2)
+    loss = jax.jit(lambda s: jnp.mean((jq.fake_quant(x, s, dtype=jnp.int4) - x) ** 2))
+    step = jax.jit(lambda s: s - 0.05 * jax.grad(loss)(s))
     s = jnp.float32(0.05)  # codes clip at +-0.35 while |x| reaches ~3
     for _ in range(50):
-        s = s - 0.05 * jax.grad(loss)(s)
+        s = step(s)
     assert float(s) > 0.2 and float(loss(s)) < float(loss(jnp.float32(0.05))) / 4
 
 
@@ -83,5 +90,5 @@ def test_jit_and_vmap_of_fake_quant():
     f = jax.jit(jax.grad(lambda x, s: jq.fake_quant(x, s, axis=0).sum(), argnums=(0, 1)))
     gx, gs = f(x, jnp.full((5,), 0.01, jnp.float32))
     assert gx.shape == x.shape and gs.shape == (5,)
-    v = jax.vmap(lambda r: jq.fake_quant(r, jnp.float32(0.1)))(x)
+    v = jax.jit(jax.vmap(lambda r: jq.fake_quant(r, jnp.float32(0.1))))(x)
     np.testing.assert_array_equal(v, jq.fake_quant(x, jnp.float32(0.1)))

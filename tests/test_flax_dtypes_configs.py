@@ -15,6 +15,8 @@ from reference_tables import NF4  # noqa: E402
 import jaxquant as jq  # noqa: E402
 from jaxquant.flax import ActSpec, QuantConfig, nnx_qat, nnx_quantize, quantize_linen  # noqa: E402
 
+_run = nnx.jit(lambda m, x: m(x))
+
 
 def _x(*shape):
     return jnp.sin(jnp.arange(np.prod(shape), dtype=jnp.float32) * 0.37).reshape(shape)
@@ -62,10 +64,10 @@ def _check_linen_bfloat16_kernels(dtype):
     tokens = jnp.arange(10).reshape(2, 5) % 11
     model = _Layers(dtype)
     qm = quantize_linen(model, QuantConfig())
-    params = model.init(jax.random.key(0), tokens)
+    params = jax.jit(model.init)(jax.random.key(0), tokens)
     ref_params = jax.tree.map(lambda w: _np_int_fq(w)[0] if w.ndim >= 2 else w, params)
     ref = np.asarray(jax.jit(model.apply)(ref_params, tokens))
-    q = qm.quantize_params(params, tokens)
+    q = jax.jit(qm.quantize_params)(params, tokens)
     for leaf in jax.tree.leaves(q, is_leaf=jq.is_qtensor):
         if jq.is_qtensor(leaf):
             assert leaf.dtype == jnp.bfloat16
@@ -86,13 +88,12 @@ def test_nnx_bfloat16_kernels_infer_as_the_fake_quantized_model(layer):
              "einsum": lambda: nnx.Einsum("btc,cd->btd", (8, 6), (6,), **kw)}[layer]()
     ref = nnx.clone(model)
     ref.kernel.set_value(jnp.asarray(_np_int_fq(ref.kernel[...])[0]))
-    want = np.asarray(nnx.jit(lambda m, x: m(x))(ref, x))
+    want = np.asarray(_run(ref, x))
     nnx_qat(model, QuantConfig())
-    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, x: m(x))(model, x)), want,
-                               rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(_run(model, x)), want, rtol=1e-6, atol=1e-6)
     nnx_quantize(model, QuantConfig())
     assert model.kernel[...].dtype == jnp.bfloat16
-    y = np.asarray(nnx.jit(lambda m, x: m(x))(model, x))
+    y = np.asarray(_run(model, x))
     assert y.dtype == np.float32
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
 
@@ -106,7 +107,7 @@ def test_learned_tile_scales_train_and_convert():
     spec = jq.QuantSpec(block_size=(4, 4))
     x = _x(3, 8)
     qm = quantize_linen(nn.Dense(6), QuantConfig(weight=spec, learn_scale=True))
-    v = qm.init(jax.random.key(0), x)
+    v = jax.jit(qm.init)(jax.random.key(0), x)
     kernel = np.asarray(v["params"]["kernel"])
     want_scale = np.array([[np.abs(kernel[4 * i:4 * i + 4, 4 * j:4 * j + 4]).max()
                             for j in range(2)] for i in range(2)], np.float32) / np.float32(127)
@@ -114,9 +115,10 @@ def test_learned_tile_scales_train_and_convert():
     scale = np.repeat(np.repeat(want_scale, 4, axis=0), 4, axis=1)[:, :6]
     fq = (np.clip(np.rint(kernel / scale), -128, 127) * scale).astype(np.float32)
     want = np.asarray(x) @ fq + np.asarray(v["params"]["bias"])
-    np.testing.assert_allclose(np.asarray(qm.apply(v, x)), want, rtol=1e-6, atol=1e-6)
-    q = qm.quantize_params(v, x)
-    np.testing.assert_array_equal(np.asarray(q["params"]["kernel"].dequantize()), fq)
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(v, x)), want, rtol=1e-6,
+                               atol=1e-6)
+    q = jax.jit(qm.quantize_params)(v, x)
+    np.testing.assert_array_equal(np.asarray(jax.jit(jq.dequantize)(q["params"]["kernel"])), fq)
     np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)), want, rtol=1e-6,
                                atol=1e-6)
 
@@ -144,8 +146,8 @@ def test_act_spec_codebook_is_kept_and_applied():
     act = ActSpec(dtype="nf4")
     assert act.dtype == "nf4"
     model, x = nn.Dense(4, use_bias=False), _x(3, 8)
-    params = model.init(jax.random.key(0), x)
-    y = quantize_linen(model, QuantConfig(weight=None, act=act)).apply(params, x)
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    y = jax.jit(quantize_linen(model, QuantConfig(weight=None, act=act)).apply)(params, x)
     xs = np.asarray(x)
     absmax = np.abs(xs).max(axis=1, keepdims=True)
     codes = np.abs(xs[..., None] / absmax[..., None] - NF4).argmin(-1)  # no ties in this x
@@ -186,11 +188,11 @@ def test_nnx_qat_again_starts_from_the_float_layer():
     nnx_qat(layer, QuantConfig(int8_dot=True))
     nnx_qat(layer, QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4)))
     fq4 = _np_int_fq(kernel, bits=4)[0]
-    np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(x) @ fq4 + bias, rtol=1e-6,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(_run(layer, x)), np.asarray(x) @ fq4 + bias,
+                               rtol=1e-6, atol=1e-6)
     nnx_qat(layer, QuantConfig(learn_scale=True))
     nnx_qat(layer, [("", None)])
-    np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(x) @ kernel + bias,
+    np.testing.assert_allclose(np.asarray(_run(layer, x)), np.asarray(x) @ kernel + bias,
                                rtol=1e-6, atol=1e-6)
     assert not any("scale" in str(p) for p, _ in nnx.to_flat_state(nnx.state(layer)))
     nnx_quantize(layer, QuantConfig())

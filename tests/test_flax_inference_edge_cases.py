@@ -22,6 +22,7 @@ def _x(*shape, seed=0):
     return jax.random.normal(jax.random.key(seed), shape)
 
 
+@jax.jit  # one program, not op-by-op dispatch
 def _dequantized(tree):
     return jax.tree.map(lambda v: v.dequantize() if jq.is_qtensor(v) else v, tree,
                         is_leaf=jq.is_qtensor)
@@ -48,9 +49,9 @@ def test_linen_embed_lookup_follows_flax_for_one_row_and_out_of_range_indices(sp
                                 (nn.Embed(11, 6), jnp.array([0]),
                                  jnp.array([[11, -1, -11, -12, 30, 3]]))]:
         qm = quantize_linen(model, QuantConfig(weight=spec))
-        q = qm.quantize_params(model.init(jax.random.key(0), init), init)
+        q = jax.jit(qm.quantize_params)(jax.jit(model.init)(jax.random.key(0), init), init)
         y = np.asarray(jax.jit(qm.apply)(q, tokens))
-        ref = np.asarray(model.apply(_dequantized(q), tokens))
+        ref = np.asarray(jax.jit(model.apply)(_dequantized(q), tokens))
         np.testing.assert_array_equal(np.isnan(y), np.isnan(ref))
         np.testing.assert_allclose(y, ref, rtol=1e-6, atol=1e-6)
 
@@ -69,7 +70,7 @@ def test_embed_lookup_never_holds_the_float_table(spec):
     compiled = jax.jit(lambda s, i: nnx.merge(graph, s)(i)).lower(state, ids).compile()
     model = nn.Embed(n, f)
     qm = quantize_linen(model, QuantConfig(weight=spec))
-    q = qm.quantize_params(model.init(jax.random.key(0), ids), ids)
+    q = jax.jit(qm.quantize_params)(jax.jit(model.init)(jax.random.key(0), ids), ids)
     linen = jax.jit(qm.apply).lower(q, ids).compile()
     for c in (compiled, linen):
         assert c.memory_analysis().temp_size_in_bytes < float_table / 16
@@ -81,13 +82,15 @@ def test_empty_batches_run_with_per_token_activations():
     # quantize_params' survey of the model)
     model, empty = nn.Embed(11, 6), jnp.zeros((0, 6))
     qm = quantize_linen(model, WA)
-    params = model.init(jax.random.key(0), jnp.ones((1, 6)), method="attend")
-    q = qm.quantize_params(params, empty, method="attend")
-    assert qm.apply(q, empty, method="attend").shape == (0, 11)
+    params = jax.jit(lambda k: model.init(k, jnp.ones((1, 6)), method="attend"))(
+        jax.random.key(0))
+    q = jax.jit(lambda p, e: qm.quantize_params(p, e, method="attend"))(params, empty)
+    assert jax.jit(lambda q, e: qm.apply(q, e, method="attend"))(q, empty).shape == (0, 11)
     dense = quantize_linen(nn.Dense(5), WA)
-    assert dense.apply(dense.init(jax.random.key(0), empty), empty).shape == (0, 5)
+    assert jax.jit(lambda e: dense.apply(dense.init(jax.random.key(0), e), e))(
+        empty).shape == (0, 5)
     layer = nnx_quantize(nnx.Embed(11, 6, rngs=nnx.Rngs(0)), WA)
-    assert layer.attend(empty).shape == (0, 11)
+    assert nnx.jit(lambda m, e: m.attend(e))(layer, empty).shape == (0, 11)
 
 
 # ----------------------------------------------------------------------------- dtypes
@@ -100,7 +103,7 @@ def test_nnx_weight_only_conv_keeps_preferred_element_type():
                             preferred_element_type=jnp.float32, rngs=nnx.Rngs(0))
     x = _x(2, 9, 6)
     q, ref = nnx_quantize(make(), QuantConfig()), make()
-    ref.kernel.set_value(q.kernel[...].dequantize())
+    ref.kernel.set_value(_dequantized(q.kernel[...]))
     y, r = q(x), ref(x)  # eagerly: under jit XLA:CPU may fold the bfloat16 rounding away
     assert y.dtype == r.dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(y), np.asarray(r), rtol=1e-6, atol=1e-6)
@@ -135,9 +138,9 @@ def test_a_layers_own_promote_dtype_is_kept_at_inference(spec):
     # layers compute in bfloat16 ran in float32 (QAT kept it)
     model, tokens = _OwnPromote(), jnp.array([[1, 2, 3, 4], [5, 6, 7, 10]])
     qm = quantize_linen(model, QuantConfig(weight=spec))
-    q = qm.quantize_params(model.init(jax.random.key(0), tokens), tokens)
+    q = jax.jit(qm.quantize_params)(jax.jit(model.init)(jax.random.key(0), tokens), tokens)
     y = jax.jit(qm.apply)(q, tokens)
-    ref = model.apply(_dequantized(q), tokens)
+    ref = jax.jit(model.apply)(_dequantized(q), tokens)
     assert y.dtype == ref.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
                                rtol=1e-2, atol=1e-2)
@@ -149,10 +152,12 @@ def test_a_layers_own_promote_dtype_is_kept_at_inference(spec):
 
     layers = nnx_quantize(make(), QuantConfig(weight=spec))
     ref_layers = make()
-    for a, b in zip(layers.layers, ref_layers.layers, strict=True):
-        b.kernel.set_value(a.kernel[...].dequantize())
+    kernels = _dequantized([a.kernel[...] for a in layers.layers])
+    for k, b in zip(kernels, ref_layers.layers, strict=True):
+        b.kernel.set_value(k)
     x = _x(2, 5, 6)
-    y, ref = nnx.jit(lambda m, x: m(x))(layers, x), ref_layers(x)
+    run = nnx.jit(lambda m, x: m(x))
+    y, ref = run(layers, x), run(ref_layers, x)
     assert y.dtype == ref.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y, np.float32), np.asarray(ref, np.float32),
                                rtol=1e-2, atol=1e-2)
@@ -202,9 +207,11 @@ def test_linen_inference_errors_name_the_layer(kind, case):
         cfg = WA
     model, x = _Two(kind), _x(2, 5, 6)
     qm = quantize_linen(model, [("head", cfg), ("", QuantConfig())])
-    q = qm.quantize_params(model.init(jax.random.key(0), x), x)
+    # shapes only (jax.eval_shape): abstract QTensors, the error is raised while tracing
+    q = jax.eval_shape(qm.quantize_params, jax.eval_shape(model.init, jax.random.key(0), x), x)
+    assert jq.is_qtensor(q["params"]["head"]["kernel"])
     with pytest.raises(ValueError, match=rf"layer 'head' \({kind}\): .*({match})"):
-        qm.apply(q, x)
+        jax.eval_shape(qm.apply, q, x)
 
 
 @pytest.mark.parametrize("kind", ["Linear", "Conv", "Einsum"])
@@ -231,13 +238,13 @@ def test_nnx_qtensor_replaced_by_one_of_the_wrong_shape_names_the_layer(kind):
 def test_linen_einsum_string_given_twice_is_refused_as_in_flax():
     # regression: inference took the call's equation where float Flax raises
     model, x = nn.Einsum((6, 5), "bd,dk->bk"), _x(3, 6)
-    params = model.init(jax.random.key(0), x)
+    params = jax.jit(model.init)(jax.random.key(0), x)
     with pytest.raises(ValueError, match="einsum_str.*passed to the constructor and at call"):
-        model.apply(params, x, "bd,dk->bk")
+        jax.eval_shape(lambda p, x: model.apply(p, x, "bd,dk->bk"), params, x)
     qm = quantize_linen(model, QuantConfig())
-    q = qm.quantize_params(params, x)
+    q = jax.jit(qm.quantize_params)(params, x)
     with pytest.raises(ValueError, match="einsum_str.*passed to the constructor and at call"):
-        qm.apply(q, x, "bd,dk->bk")
+        jax.eval_shape(lambda q, x: qm.apply(q, x, "bd,dk->bk"), q, x)
 
 
 # ----------------------------------------------------------------------------- int8 x int8
@@ -260,10 +267,10 @@ def _int8_dots(jaxpr):
 def test_linen_w8a8_equals_numpy_emulation(model, x, spec, ref):
     x = _x(*x)
     qm = quantize_linen(model, QuantConfig(weight=spec, act=ActSpec()))
-    params = model.init(jax.random.key(1), x)
-    q = qm.quantize_params(params, x)
+    params = jax.jit(model.init)(jax.random.key(1), x)
+    q = jax.jit(qm.quantize_params)(params, x)
     y = np.asarray(jax.jit(qm.apply)(q, x), np.float64)
-    w = np.asarray(q["params"]["kernel"].dequantize(), np.float64)
+    w = np.asarray(_dequantized(q["params"]["kernel"]), np.float64)
     bias = np.asarray(params["params"]["bias"], np.float64)
     expected = ref(_np_act(x, -1), w, bias)
     np.testing.assert_allclose(y, expected, rtol=1e-5, atol=1e-6)
@@ -276,11 +283,11 @@ def test_nnx_grouped_strided_conv_w8a8_equals_numpy_emulation():
                                   rngs=nnx.Rngs(0)), WA)
     y = np.asarray(nnx.jit(lambda m, x: m(x))(model, x), np.float64)
     a = _np_act(x, None)  # one scale per tensor
-    w = np.asarray(model.kernel[...].dequantize(), np.float64)
-    expected = np.asarray(jax.lax.conv_general_dilated(
-        jnp.asarray(a, jnp.float32), jnp.asarray(w, jnp.float32), (2, 2), "SAME",
-        dimension_numbers=("NHWC", "HWIO", "NHWC"), feature_group_count=3,
-        precision=jax.lax.Precision.HIGHEST), np.float64)
+    w = np.asarray(_dequantized(model.kernel[...]), np.float64)
+    expected = np.asarray(jax.jit(lambda a, w: jax.lax.conv_general_dilated(
+        a, w, (2, 2), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"),
+        feature_group_count=3, precision=jax.lax.Precision.HIGHEST))(
+        jnp.asarray(a, jnp.float32), jnp.asarray(w, jnp.float32)), np.float64)
     np.testing.assert_allclose(y, expected + np.asarray(model.bias[...]), rtol=1e-5, atol=1e-5)
     graphdef, state = nnx.split(model)
     jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(x))(state).jaxpr

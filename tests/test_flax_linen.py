@@ -1,6 +1,8 @@
 """jaxquant.flax on linen models: rules, QAT against hand-made fake-quant references,
 training with optax, nn.scan / nn.remat, inference on QTensor trees."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ SPECS = [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, block_size=2),
 TOKENS = jnp.array([[1, 2, 3, 4, 5], [6, 7, 8, 9, 10]])
 
 
+@functools.partial(jax.jit, static_argnums=1)  # one program, not op-by-op dispatch
 def _fq_params(params, spec):
     """The reference: kernels fake-quantized by hand (scanned ones layer by layer)."""
     def fq(path, leaf):
@@ -98,7 +101,7 @@ def test_layers_paths_first_match_none_and_unused_rules(zoo):
                       "Einsum_0": None, "ScanBlock_0/Dense_0": w4, "Conv_0": QuantConfig()}
     assert qm.unused_rules(params, TOKENS) == [("Dense_0", None), ("typo", QuantConfig())]
     # None (and no match) keep a layer float; scanned kernels become stacked per-layer QTensors
-    q = qm.quantize_params(params, TOKENS)["params"]
+    q = jax.jit(qm.quantize_params)(params, TOKENS)["params"]
     assert not jq.is_qtensor(q["Embed_0"]["embedding"])
     assert not jq.is_qtensor(q["Einsum_0"]["kernel"])
     k = q["ScanBlock_0"]["Dense_0"]["kernel"]
@@ -147,8 +150,8 @@ def test_bad_module():
 def test_qat_forward_equals_fake_quantized_params(zoo, zoo_float, spec):
     model, params = zoo
     qm = quantize_linen(model, QuantConfig(weight=spec))
-    y = jax.jit(qm.apply)(params, TOKENS)
-    ref = jax.jit(model.apply)(_fq_params(params, spec), TOKENS)
+    y, ref = jax.jit(lambda p: (qm.apply(p, TOKENS),
+                                model.apply(_fq_params(p, spec), TOKENS)))(params)
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-6)
     assert np.abs(np.asarray(ref) - zoo_float).max() > 1e-3
 
@@ -156,13 +159,19 @@ def test_qat_forward_equals_fake_quantized_params(zoo, zoo_float, spec):
 def test_qat_activation_per_token_and_static():
     model, x = nn.Dense(4), _x(3, 6) * 3.0
     params = jax.jit(model.init)(jax.random.key(2), x)
-    fq = _fq_params(params, jq.QuantSpec())
-    for act, xq in [(ActSpec(), jq.fake_quant(x, axis=0)),  # one scale per row
-                    (ActSpec(granularity="tensor", dtype=jnp.int4), jq.fake_quant(x, dtype=jnp.int4)),
-                    (ActSpec(scale=0.05), jq.fake_quant(x, jnp.float32(0.05)))]:
-        y = jax.jit(quantize_linen(model, QuantConfig(act=act)).apply)(params, x)
-        np.testing.assert_allclose(np.asarray(y), np.asarray(jax.jit(model.apply)(fq, xq)),
-                                   rtol=1e-6)
+    cases = [(ActSpec(), lambda x: jq.fake_quant(x, axis=0)),  # one scale per row
+             (ActSpec(granularity="tensor", dtype=jnp.int4),
+              lambda x: jq.fake_quant(x, dtype=jnp.int4)),
+             (ActSpec(scale=0.05), lambda x: jq.fake_quant(x, jnp.float32(0.05)))]
+
+    @jax.jit  # the three QAT models and their references in one program
+    def run(params, x):
+        fq = _fq_params(params, jq.QuantSpec())
+        return [(quantize_linen(model, QuantConfig(act=act)).apply(params, x),
+                 model.apply(fq, fq_x(x))) for act, fq_x in cases]
+
+    for y, ref in run(params, x):
+        np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6)
 
 
 def test_qat_kernel_and_input_gradients_are_ste():
@@ -215,8 +224,8 @@ def test_train_mlp_with_adam_under_jit():
     trained, losses = _train(qm.apply, params, x, y)
     assert losses[-1] < 0.5 * losses[0]
     # the trained model runs quantized: weight int4 head, int8 x int8 fc1
-    q = qm.quantize_params(trained, x)
-    y_qat, y_inf = qm.apply(trained, x), jax.jit(qm.apply)(q, x)
+    q = jax.jit(qm.quantize_params)(trained, x)
+    y_qat, y_inf = jax.jit(qm.apply)(trained, x), jax.jit(qm.apply)(q, x)
     np.testing.assert_allclose(np.asarray(y_inf), np.asarray(y_qat), atol=1e-5)
 
 
@@ -235,7 +244,7 @@ def test_learned_scale_moves_and_becomes_the_qtensor_scale():
     assert losses[-1] < 0.5 * losses[0]
     s1 = trained["quant"]["fc1"]["kernel_scale"]
     assert np.abs(np.asarray(s1) - np.asarray(s0)).max() > 1e-4
-    q = qm.quantize_params(trained, x)
+    q = jax.jit(qm.quantize_params)(trained, x)
     assert "quant" not in q
     # a scale that training took below zero is used, and stored, as float32's eps (as torch)
     np.testing.assert_array_equal(np.asarray(q["params"]["fc1"]["kernel"].scale),
@@ -261,7 +270,7 @@ def test_learned_zero_point_moves_and_becomes_the_qtensor_zero_point():
     assert losses[-1] < 0.5 * losses[0]
     z1 = np.asarray(trained["quant"]["fc1"]["kernel_zero_point"])
     assert np.abs(z1 - np.asarray(z0)).max() > 0.05  # clipped weights pulled it
-    q = qm.quantize_params(trained, x)
+    q = jax.jit(qm.quantize_params)(trained, x)
     kernel = q["params"]["fc1"]["kernel"]
     assert kernel.zero_point.dtype == jnp.int4
     np.testing.assert_array_equal(np.asarray(kernel.zero_point, np.float32),
@@ -283,12 +292,17 @@ def test_learned_zero_point_gradients_match_torch_lsq_plus():
     g = rng.normal(size=(6, 10)).astype(np.float32)
     spec = jq.QuantSpec(dtype=jnp.uint8, symmetric=False)
     qm = quantize_linen(nn.Dense(10), QuantConfig(weight=spec, learn_scale=True))
-    v = qm.init(jax.random.key(0), jnp.asarray(x))
+    v = jax.jit(qm.init)(jax.random.key(0), jnp.asarray(x))
     scale = v["quant"]["kernel_scale"] * 0.4  # a narrower range: weights clip at both ends
     zp = v["quant"]["kernel_zero_point"] + jnp.asarray(rng.uniform(-0.3, 0.3, 10), jnp.float32)
     v = {"params": v["params"], "quant": {"kernel_scale": scale, "kernel_zero_point": zp}}
-    y, vjp = jax.vjp(lambda v: qm.apply(v, jnp.asarray(x)), v)
-    (grads,) = vjp(jnp.asarray(g))
+
+    @jax.jit
+    def forward_and_vjp(v, x, g):
+        y, vjp = jax.vjp(lambda v: qm.apply(v, x), v)
+        return y, vjp(g)[0]
+
+    y, grads = forward_and_vjp(v, jnp.asarray(x), jnp.asarray(g))
 
     kt = torch.tensor(np.asarray(v["params"]["kernel"]), requires_grad=True)
     st = torch.tensor(np.asarray(scale), requires_grad=True)
@@ -321,19 +335,19 @@ def test_learned_zero_points_shared_by_lookup_and_attend_and_stacked_by_scan():
     tokens = jnp.arange(7) % 11
     spec = jq.QuantSpec(dtype=jnp.int8, axis=0, symmetric=False)  # per row, as the table's
     qm = quantize_linen(TiedScanned(), QuantConfig(weight=spec, learn_scale=True))
-    v = qm.init(jax.random.key(0), tokens)
+    v = jax.jit(qm.init)(jax.random.key(0), tokens)
     quant = v["quant"]
     assert jax.tree.map(jnp.shape, quant) == {
         "Embed_0": {"embedding_scale": (11,), "embedding_zero_point": (11,)},
         "ScanBlock_0": {"Dense_0": {"kernel_scale": (2, 8), "kernel_zero_point": (2, 8)}}}
     moved = {**v, "quant": jax.tree.map(lambda a: a + 0.3 if a.ndim == 2 else a * 1.1, quant)}
-    q = qm.quantize_params(moved, tokens)
+    q = jax.jit(qm.quantize_params)(moved, tokens)
     kernel = q["params"]["ScanBlock_0"]["Dense_0"]["kernel"]
     zp = np.asarray(quant["ScanBlock_0"]["Dense_0"]["kernel_zero_point"]) + 0.3
     np.testing.assert_array_equal(np.asarray(kernel.zero_point, np.float32),
                                   np.clip(np.round(zp), -128, 127))
     np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, tokens)),
-                               np.asarray(qm.apply(moved, tokens)), atol=1e-5)
+                               np.asarray(jax.jit(qm.apply)(moved, tokens)), atol=1e-5)
 
 
 def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
@@ -356,6 +370,7 @@ def test_int8_dot_training_matches_fake_quant_and_runs_int8_dots():
 # ----------------------------------------------------------------------------- inference
 
 
+@jax.jit  # one program, not op-by-op dispatch
 def _dequantized(q):
     """The reference params: every QTensor dequantized (scanned ones layer by layer)."""
     def deq(path, leaf):
@@ -375,7 +390,7 @@ def _dequantized(q):
 def test_weight_only_inference_equals_float_on_dequantized_params(zoo, spec):
     model, params = zoo
     qm = quantize_linen(model, QuantConfig(weight=spec))
-    q = qm.quantize_params(params, TOKENS)
+    q = jax.jit(qm.quantize_params)(params, TOKENS)
     assert sum(map(jq.is_qtensor, jax.tree.leaves(q, is_leaf=jq.is_qtensor))) == len(ZOO_LAYERS)
     y = jax.jit(qm.apply)(q, TOKENS)
     ref = jax.jit(model.apply)(_dequantized(q), TOKENS)
@@ -393,7 +408,7 @@ def test_weight_only_inference_equals_float_on_dequantized_params(zoo, spec):
 def test_w8a8_inference_close_to_float_and_dots_are_int8(zoo, zoo_float):
     model, params = zoo
     qm = quantize_linen(model, [("Embed", QuantConfig()), ("", QuantConfig(act=ActSpec()))])
-    q = qm.quantize_params(params, TOKENS)
+    q = jax.jit(qm.quantize_params)(params, TOKENS)
     y, ref = np.asarray(jax.jit(qm.apply)(q, TOKENS)), zoo_float
     assert np.abs(y - ref).max() < 0.03 * np.abs(ref).max()
     # the same values as QAT with per-token activations (per tensor in the Conv)
@@ -416,7 +431,7 @@ def test_static_activation_scale_inference_equals_qat():
     model, x = MLP(), _x(4, 8)
     params = jax.jit(model.init)(jax.random.key(8), x)
     qm = quantize_linen(model, QuantConfig(act=ActSpec(scale=0.01)))
-    q = qm.quantize_params(params, x)
+    q = jax.jit(qm.quantize_params)(params, x)
     np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)),
                                np.asarray(jax.jit(qm.apply)(params, x)), rtol=1e-5, atol=1e-6)
 
@@ -427,9 +442,9 @@ def test_static_activation_scale_inference_equals_qat():
 def test_int4_activations_cannot_run_int8_inference():
     model, x = MLP(), _x(4, 8)
     qm = quantize_linen(model, QuantConfig(act=ActSpec(dtype=jnp.int4)))
-    q = qm.quantize_params(jax.jit(model.init)(jax.random.key(0), x), x)
+    q = jax.jit(qm.quantize_params)(jax.jit(model.init)(jax.random.key(0), x), x)
     with pytest.raises(ValueError, match=r"needs ActSpec\(dtype=jnp.int8\), got dtype=int4"):
-        qm.apply(q, x)
+        jax.eval_shape(qm.apply, q, x)  # raised while tracing: nothing to compile
 
 
 @pytest.mark.parametrize("kwargs, exc, match", [
@@ -475,22 +490,24 @@ def test_bad_act_spec(kwargs, match):
 ], ids=["dense-out", "dense-3d", "einsum", "dense-general", "conv", "embed-feat", "embed-rows"])
 def test_qtensor_kernel_of_the_wrong_shape_raises(model, x, key, shape):
     # regression: a QTensor kernel was used whatever its shape (float flax raises)
+    # shapes only (jax.eval_shape): the check is made while tracing, nothing is compiled
     qm = quantize_linen(model, QuantConfig())
-    params = qm.init(jax.random.key(0), x)
-    params["params"][key] = jq.quantize(jnp.ones(shape), axis=-1)
+    params = jax.eval_shape(qm.init, jax.random.key(0), x)
+    params["params"][key] = jax.eval_shape(lambda: jq.quantize(jnp.ones(shape), axis=-1))
     with pytest.raises(ValueError, match=rf"QTensor {key} has shape \({shape[0]}, .*expects"):
-        qm.apply(params, x)
+        jax.eval_shape(qm.apply, params, x)
 
 
 def test_quantize_params_takes_frozen_dicts():
     flax = pytest.importorskip("flax")
     qm = quantize_linen(MLP(), QuantConfig())
     x = _x(2, 6)
-    params = flax.core.freeze(qm.init(jax.random.key(0), x))
+    params = flax.core.freeze(jax.jit(qm.init)(jax.random.key(0), x))
     q = qm.quantize_params(params, x)
     assert isinstance(q, flax.core.FrozenDict)
     assert jq.is_qtensor(q["params"]["fc1"]["kernel"])
-    np.testing.assert_allclose(qm.apply(q, x), qm.apply(params, x), atol=1e-6)
+    apply = jax.jit(qm.apply)
+    np.testing.assert_allclose(apply(q, x), apply(params, x), atol=1e-6)
 
 
 class _Attend(nn.Module):
@@ -508,10 +525,10 @@ def test_embed_attend_inference_matches_qat(cfg, dtype):
     # regressions: inference ignored Embed.dtype, and left the query float with an act rule
     model = _Attend(dtype)
     qm = quantize_linen(model, cfg)
-    params = qm.init(jax.random.key(0), TOKENS)
-    yt = qm.apply(params, TOKENS)
-    yq = jax.jit(qm.apply)(qm.quantize_params(params, TOKENS), TOKENS)
-    assert yq.dtype == yt.dtype == model.apply(params, TOKENS).dtype
+    params = jax.jit(qm.init)(jax.random.key(0), TOKENS)
+    yt = jax.jit(qm.apply)(params, TOKENS)
+    yq = jax.jit(qm.apply)(jax.jit(qm.quantize_params)(params, TOKENS), TOKENS)
+    assert yq.dtype == yt.dtype == jax.eval_shape(model.apply, params, TOKENS).dtype
     np.testing.assert_allclose(np.asarray(yq, np.float32), np.asarray(yt, np.float32),
                                atol=1e-5 if dtype is None else 2e-2)
 
@@ -527,14 +544,20 @@ class _Tied(nn.Module):
 def test_reading_the_embedding_table_directly(rules):
     # regression: `embed.embedding` was missing on a QTensor table (AttributeError)
     qm = quantize_linen(_Tied(), rules)
-    params = qm.init(jax.random.key(0), TOKENS)
+    params = jax.jit(qm.init)(jax.random.key(0), TOKENS)
     spec = jq.QuantSpec()
-    q = jq.quantize_tree(params, [("embedding", spec)])
-    table = q["params"]["Embed_0"]["embedding"].dequantize()
-    want = jnp.take(table, TOKENS, axis=0) @ table.T
-    np.testing.assert_allclose(qm.apply(q, TOKENS), want, atol=1e-5)
+    q = jax.jit(lambda p: jq.quantize_tree(p, [("embedding", spec)]))(params)
+
+    @jax.jit
+    def want_fn(q):
+        table = q["params"]["Embed_0"]["embedding"].dequantize()
+        return jnp.take(table, TOKENS, axis=0) @ table.T
+
+    want = want_fn(q)
+    apply = jax.jit(qm.apply)
+    np.testing.assert_allclose(apply(q, TOKENS), want, atol=1e-5)
     if isinstance(rules, QuantConfig):  # QAT reads the fake-quantized table
-        np.testing.assert_allclose(qm.apply(params, TOKENS), want, atol=1e-5)
+        np.testing.assert_allclose(apply(params, TOKENS), want, atol=1e-5)
 
 
 class _ScanBlock(nn.Module):
@@ -558,28 +581,30 @@ def test_layers_stacked_on_another_axis_are_quantized_layer_by_layer(axis):
     model = _ScanOnAxis(axis)
     x = jax.random.normal(jax.random.key(0), (2, 6))
     qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(axis=-1)))
-    params = qm.init(jax.random.key(1), x)
+    params = jax.jit(qm.init)(jax.random.key(1), x)
     (name,) = params["params"]
     kernel = np.asarray(params["params"][name]["Dense_0"]["kernel"])
     assert kernel.shape == ((3, 6, 6) if axis == 0 else (6, 3, 6))
     layers = np.moveaxis(kernel, axis, 0)
-    q = qm.quantize_params(params, x)
+    q = jax.jit(qm.quantize_params)(params, x)
     qt = q["params"][name]["Dense_0"]["kernel"]
-    for i, w in enumerate(layers):  # per output channel of each layer, by NumPy
-        g = np.asarray(jax.tree.map(lambda a, i=i: jnp.take(a, i, axis=axis), qt).dequantize())
+    per_layer = jax.jit(lambda qt: [jax.tree.map(lambda a, i=i: jnp.take(a, i, axis=axis),
+                                                 qt).dequantize() for i in range(len(layers))])
+    for w, g in zip(layers, per_layer(qt), strict=True):  # per output channel, by NumPy
+        g = np.asarray(g)
         s = np.abs(w).max(axis=0) / np.float32(127)
         np.testing.assert_allclose(g, np.clip(np.rint(w / s), -127, 127) * s, rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)), np.asarray(qm.apply(params, x)),
-                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)),
+                               np.asarray(jax.jit(qm.apply)(params, x)), rtol=1e-5, atol=1e-6)
 
 
 def test_per_tensor_scales_stacked_on_a_later_axis_are_refused():
     model = _ScanOnAxis(1)
     x = jnp.ones((2, 6))
     qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(axis=None)))
-    params = qm.init(jax.random.key(1), x)
+    params = jax.jit(qm.init)(jax.random.key(1), x)
     with pytest.raises(ValueError, match=r"stacked along axis 1 .*per-tensor scale"):
-        qm.quantize_params(params, x)
+        jax.jit(qm.quantize_params)(params, x)  # raised while tracing
 
 
 def test_a_spec_that_does_not_fit_a_layer_names_the_layer():
@@ -591,7 +616,7 @@ def test_a_spec_that_does_not_fit_a_layer_names_the_layer():
     x = jnp.ones((2, 5))
     rules = [("head", QuantConfig(weight=jq.QuantSpec(axis=2))), ("", QuantConfig())]
     with pytest.raises(ValueError, match=r"layer 'head' \(Dense\): axis must be in \[-2, 2\)"):
-        quantize_linen(Two(), rules).init(jax.random.key(0), x)  # training
-    params = quantize_linen(Two(), QuantConfig()).init(jax.random.key(0), x)
+        jax.eval_shape(quantize_linen(Two(), rules).init, jax.random.key(0), x)  # training
+    params = jax.jit(quantize_linen(Two(), QuantConfig()).init)(jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"layer 'head'.*axis must be in \[-2, 2\)"):
-        quantize_linen(Two(), rules).quantize_params(params, x)  # conversion
+        jax.jit(quantize_linen(Two(), rules).quantize_params)(params, x)  # conversion

@@ -49,11 +49,11 @@ def test_quantize_params_takes_the_mutable_argument_of_apply():
     # by a training-mode BatchNorm): TypeError "got multiple values for keyword argument"
     model, x = _BNNet(), _x(4, 5)
     qm = quantize_linen(model, [("head", None), ("", QuantConfig())])
-    v = model.init(jax.random.key(0), x)
+    v = jax.jit(model.init)(jax.random.key(0), x)
     kw = dict(train=True, mutable=["batch_stats"])
     assert list(qm.layers(v, x, **kw)) == ["Dense_0", "head"]
     assert qm.unused_rules(v, x, **kw) == []
-    q = qm.quantize_params(v, x, **kw)
+    q = jax.jit(lambda v, x: qm.quantize_params(v, x, **kw))(v, x)
     assert jq.is_qtensor(q["params"]["Dense_0"]["kernel"])
     assert not jq.is_qtensor(q["params"]["head"]["kernel"])
     ref_params = dict(v, params=dict(v["params"], Dense_0=jax.jit(_fq_kernels)(
@@ -85,7 +85,7 @@ def _check_integer_inputs(act):
     img = ((jnp.arange(2 * 4 * 4 * 3) * 37) % 256).astype(jnp.uint8).reshape(2, 4, 4, 3)
     x32 = img.astype(jnp.float32)
     qm = quantize_linen(model, QuantConfig(act=act))
-    params = model.init(jax.random.key(0), x32)  # QAT without learned scales: the same
+    params = jax.jit(model.init)(jax.random.key(0), x32)  # QAT without learned scales: the same
     y = jax.jit(qm.apply)(params, img)
 
     def fq_in(path, x):  # what the layer's input is fake-quantized to (NumPy-free: jq)
@@ -121,7 +121,7 @@ def test_layers_and_unused_rules_see_the_layers_of_a_quantized_tree():
     model, x = _Stack(), _x(3, 4)
     rules = [("emb", QuantConfig(act=ActSpec())), ("body", QuantConfig()), ("typo", None)]
     qm = quantize_linen(model, rules)
-    params = model.init(jax.random.key(0), x)
+    params = jax.jit(model.init)(jax.random.key(0), x)
     q = jax.jit(qm.quantize_params)(params, x)
     assert jq.is_qtensor(q["params"]["body"]["kernel"])
     assert qm.layers(q, x) == qm.layers(params, x) == {"body": rules[1][1], "emb": rules[0][1]}
@@ -151,15 +151,15 @@ def test_learned_scales_of_a_weight_tied_scan_and_the_error_that_leads_there():
     # nn.scan's variable_axes; for broadcast params that gives one scale per step for the
     # one shared kernel, which quantize_params then refused ("scale must ... be 1-D")
     x, cfg = _x(2, 6), QuantConfig(learn_scale=True)
-    params = _Shared().init(jax.random.key(0), x)  # float init: no "quant" collection
+    params = jax.eval_shape(_Shared().init, jax.random.key(0), x)  # float: no "quant"
     with pytest.raises(ValueError, match=r"Dense_0.*'quant'.*variable_broadcast"):
-        quantize_linen(_Shared(), cfg).apply(params, x)
+        jax.eval_shape(quantize_linen(_Shared(), cfg).apply, params, x)  # while tracing
     qm = quantize_linen(_Shared(), cfg)
-    v = qm.init(jax.random.key(0), x)
+    v = jax.jit(qm.init)(jax.random.key(0), x)
     kernel = np.asarray(v["params"]["steps"]["Dense_0"]["kernel"])
     scale = np.asarray(v["quant"]["steps"]["Dense_0"]["kernel_scale"])
     np.testing.assert_allclose(scale, np.abs(kernel).max(0) / np.float32(127), rtol=1e-6)
-    q = qm.quantize_params(v, x)
+    q = jax.jit(qm.quantize_params)(v, x)
     _close(jax.jit(qm.apply)(q, x), jax.jit(qm.apply)(v, x), tol=1e-5)
 
 
@@ -186,12 +186,12 @@ def test_w8a8_inference_gradients_pass_straight_through_the_input_quantization(s
     model, x = _Branches(), _x(2, 5, 4)
     w = jnp.cos(jnp.arange(2 * 5 * 9, dtype=jnp.float32)).reshape(2, 5, 9)
     qm = quantize_linen(model, QuantConfig(act=ActSpec(scale=scale)))
-    q = jax.jit(qm.quantize_params)(model.init(jax.random.key(0), x), x)
+    q = jax.jit(qm.quantize_params)(jax.jit(model.init)(jax.random.key(0), x), x)
     g = jax.jit(jax.grad(lambda x: jnp.sum(qm.apply(q, x) * w)))(x)
     # the layers are linear: d/dx sum(y * w) is the float model's vjp of w (dequantized
     # kernels), zero where the static scale clips the input (as jaxquant.fake_quant's)
-    _, vjp = jax.vjp(lambda x: model.apply(jq.dequantize_tree(q), x), x)
-    ref = np.asarray(vjp(w)[0])
+    ref = np.asarray(jax.jit(lambda q, x, w: jax.vjp(
+        lambda x: model.apply(jq.dequantize_tree(q), x), x)[1](w)[0])(q, x, w))
     if scale is not None:
         codes = np.rint(np.asarray(x) / np.float32(scale))
         assert (np.abs(codes) > 127).any() and (np.abs(codes) < 127).any()
@@ -221,7 +221,7 @@ class _Lifted(nn.Module):
 def test_lifted_shared_and_setup_layers_train_and_infer_as_the_float_model():
     model, x = _Lifted(), _x(3, 5, 6)
     qm = quantize_linen(model, QuantConfig())
-    params = model.init(jax.random.key(0), x)
+    params = jax.jit(model.init)(jax.random.key(0), x)
     assert list(qm.layers(params, x)) == ["vdense", "shared", "heads_0"]
     y = jax.jit(qm.apply)(params, x)
     ref = jax.jit(lambda p, x: model.apply(_fq_kernels(p, stacked=("vdense",)), x))

@@ -1,6 +1,8 @@
 """jaxquant.flax on nnx models: rules, QAT by surgery against hand-made fake-quant
 references, training with nnx.Optimizer(optax.adam), LSQ scales, QTensor inference."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -73,8 +75,10 @@ def _kernels(model):
 def _with_kernels(model, fn):
     """A copy of ``model`` (float layers) with ``fn`` applied to every kernel by hand."""
     ref = nnx.clone(model)
-    for var in _kernels(ref):
-        var.set_value(fn(var[...]))
+    kernels = list(_kernels(ref))
+    new = jax.jit(lambda ks: [fn(k) for k in ks])([var[...] for var in kernels])  # one program
+    for var, k in zip(kernels, new, strict=True):
+        var.set_value(k)
     return ref
 
 
@@ -224,8 +228,9 @@ def test_weight_only_inference_equals_float_on_dequantized_kernels(zoo, spec):
     codes = [var[...] for var in _kernels(q)]
     assert len(codes) == len(ZOO_LAYERS) and all(map(jq.is_qtensor, codes))
     ref = nnx.clone(zoo)
-    for var, qt in zip(_kernels(ref), codes, strict=True):
-        var.set_value(qt.dequantize())
+    dequantized = jax.jit(lambda qts: [qt.dequantize() for qt in qts])(codes)  # one program
+    for var, k in zip(_kernels(ref), dequantized, strict=True):
+        var.set_value(k)
     np.testing.assert_allclose(np.asarray(run(q, TOKENS)), np.asarray(run(ref, TOKENS)),
                                rtol=1e-5, atol=1e-5)
     # the jitted program takes the codes: no float kernel comes in
@@ -262,13 +267,13 @@ def test_einsum_per_token_scales_follow_the_call_equation():
     # regression: QAT took the per-token axes from the constructor's equation
     x = jax.random.normal(jax.random.key(1), (2, 6, 5, 6)) * jnp.arange(1, 7.)[None, :, None, None]
     cfg = QuantConfig(act=ActSpec())
-    call = lambda m, x: m(x, "abcd,bk->acdk")
+    call = nnx.jit(lambda m, x: m(x, "abcd,bk->acdk"))
     m = nnx.Einsum("abcd,dk->abck", (6, 4), rngs=nnx.Rngs(0))
     ref = nnx.Einsum("abcd,bk->acdk", (6, 4), rngs=nnx.Rngs(0))
     nnx_qat(m, cfg)
     nnx_qat(ref, cfg)
     yt = call(m, x)
-    np.testing.assert_allclose(yt, ref(x), atol=1e-6)
+    np.testing.assert_allclose(yt, run(ref, x), atol=1e-6)
     nnx_quantize(m, cfg)
     np.testing.assert_allclose(call(m, x), yt, atol=1e-5)
 
@@ -286,11 +291,21 @@ def _make_layers(key):
     return _Layer(nnx.Rngs(key))
 
 
+@nnx.jit
 def _run_layers(layers, x):
     @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
     def body(x, layer):
         return layer(x)
     return body(x, layers)
+
+
+@functools.partial(jax.jit, static_argnums=3)
+def _fq_layer_by_layer(x, k, bias, spec):
+    """The reference: each layer's kernel fake-quantized on its own, applied in turn."""
+    for i in range(k.shape[0]):
+        kk = jq.fake_quant(k[i], **spec.computed_kwargs())
+        x = jnp.tanh(x @ kk + bias[i][None, None])
+    return x
 
 
 @pytest.mark.parametrize("cfg", [
@@ -306,10 +321,7 @@ def test_stacked_layers_are_quantized_layer_by_layer(cfg):
     nnx_qat(layers, cfg)
     yt = _run_layers(layers, x)
     if cfg.act is None:  # the reference: each layer's kernel fake-quantized on its own
-        ref = x
-        for i in range(3):
-            kk = jq.fake_quant(k[i], **cfg.weight.computed_kwargs())
-            ref = jnp.tanh(ref @ kk + layers.lin.bias[...][i][None, None])
+        ref = _fq_layer_by_layer(x, k, layers.lin.bias[...], cfg.weight)
         np.testing.assert_allclose(yt, ref, atol=1e-5)
     nnx_quantize(layers, cfg)
     qt = layers.lin.kernel[...]
@@ -330,7 +342,7 @@ def test_embed_attend_with_act_inference_matches_qat():
     call = lambda m, t: m.attend(m(t))
     cfg = QuantConfig(act=ActSpec())
     nnx_qat(m, cfg)
-    yt = call(m, TOKENS)
+    yt = nnx.jit(call)(m, TOKENS)
     nnx_quantize(m, cfg)
     np.testing.assert_allclose(nnx.jit(call)(m, TOKENS), yt, atol=1e-6)
 
@@ -388,7 +400,8 @@ def test_nnx_shared_layer_rules_must_agree_across_its_paths():
     assert nnx_layers(_Tied(), agree) == {"embed": int8, "body": None}
     assert nnx_unused_rules(_Tied(), agree) == []  # "head" selects the table at its own path
     model, ref = _Tied(), _Tied()
-    ref.embed.embedding.set_value(jq.fake_quant(ref.embed.embedding[...], axis=0))
+    ref.embed.embedding.set_value(jax.jit(jq.fake_quant, static_argnames="axis")(
+        ref.embed.embedding[...], axis=0))
     nnx_quantize(model, agree)
     assert model.head is model.embed and jq.is_qtensor(model.head.embedding[...])
-    np.testing.assert_allclose(nnx.jit(lambda m, t: m(t))(model, TOKENS), ref(TOKENS), atol=1e-5)
+    np.testing.assert_allclose(run(model, TOKENS), run(ref, TOKENS), atol=1e-5)

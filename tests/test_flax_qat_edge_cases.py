@@ -3,6 +3,8 @@ learned scales of codebook and unsigned specs, errors that name the layer, inter
 gradients of grouped / strided convolutions and stacked layers. References come from
 PyTorch's fake-quantization kernels, NumPy, or the float Flax model."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +19,8 @@ from reference_tables import NF4  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
 from jaxquant.flax import QuantConfig, nnx_qat, nnx_quantize, quantize_linen  # noqa: E402
+
+_run = nnx.jit(lambda m, x: m(x))
 
 
 def _normal(seed, *shape):
@@ -42,25 +46,35 @@ def test_learned_scale_of_a_codebook_with_its_default_blocks():
     x = jnp.asarray(_normal(0, 3, 16))
     model = nn.Dense(8)
     qm = quantize_linen(model, QuantConfig(weight=spec, learn_scale=True))
-    v = qm.init(jax.random.key(0), x)
+    v = jax.jit(qm.init)(jax.random.key(0), x)
     kernel = np.asarray(v["params"]["kernel"])
     ref_kernel, absmax = _np_nf4_rows(kernel)
     np.testing.assert_allclose(np.asarray(v["quant"]["kernel_scale"]), absmax, rtol=1e-6)
-    want = model.apply({"params": {**v["params"], "kernel": jnp.asarray(ref_kernel)}}, x)
+    want = jax.jit(model.apply)({"params": {**v["params"], "kernel": jnp.asarray(ref_kernel)}},
+                                x)
     y = jax.jit(qm.apply)(v, x)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-6, atol=1e-6)
-    q = qm.quantize_params(v, x)
+    q = jax.jit(qm.quantize_params)(v, x)
     np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)), np.asarray(y), atol=1e-6)
 
     layer = nnx.Linear(16, 8, rngs=nnx.Rngs(0))
     layer.kernel.set_value(jnp.asarray(kernel))
     nnx_qat(layer, QuantConfig(weight=spec, learn_scale=True))
     assert layer.promote_dtype.scale.shape == (16, 1)
-    y_nnx = layer(x)
+    y_nnx = _run(layer, x)
     np.testing.assert_allclose(np.asarray(y_nnx), np.asarray(x) @ ref_kernel, rtol=1e-5,
                                atol=1e-6)
     nnx_quantize(layer, QuantConfig(weight=spec, learn_scale=True))
-    np.testing.assert_allclose(np.asarray(layer(x)), np.asarray(y_nnx), atol=1e-6)
+    np.testing.assert_allclose(np.asarray(_run(layer, x)), np.asarray(y_nnx), atol=1e-6)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _forward_and_vjp(apply, v, *args_and_g):
+    """``apply(v, *args)`` and the vjp of the cotangent (the last argument) to ``v`` and
+    ``args``, in one program."""
+    *args, g = args_and_g
+    y, vjp = jax.vjp(apply, v, *args)
+    return y, vjp(g)
 
 
 def _torch_uint8_reference(kernel, scale, x, g):
@@ -85,24 +99,24 @@ def test_learned_scale_of_a_symmetric_unsigned_spec_keeps_the_mid_range_zero_poi
     x, g = _normal(1, 5, 12), _normal(2, 5, 6)
     qm = quantize_linen(nn.Dense(6, use_bias=False), QuantConfig(weight=spec,
                                                                    learn_scale=True))
-    v = qm.init(jax.random.key(0), jnp.asarray(x))
+    v = jax.jit(qm.init)(jax.random.key(0), jnp.asarray(x))
     assert set(v["quant"]) == {"kernel_scale"}
     kernel = np.asarray(v["params"]["kernel"])
     np.testing.assert_allclose(np.asarray(v["quant"]["kernel_scale"]),
                                np.max(np.abs(kernel), axis=0) / 127, rtol=1e-6)
     scale = np.asarray(v["quant"]["kernel_scale"]) * 0.7  # a narrower range: some clip
     v = {"params": v["params"], "quant": {"kernel_scale": jnp.asarray(scale)}}
-    y, vjp = jax.vjp(lambda v: qm.apply(v, jnp.asarray(x)), v)
-    (grads,) = vjp(jnp.asarray(g))
+    y, (grads, _) = _forward_and_vjp(qm.apply, v, jnp.asarray(x), jnp.asarray(g))
     y_t, gk_t, gs_t = _torch_uint8_reference(kernel, scale, x, g)
     np.testing.assert_allclose(np.asarray(y), y_t, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(grads["params"]["kernel"]), gk_t, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(grads["quant"]["kernel_scale"]), gs_t, rtol=1e-4,
                                atol=1e-4)
-    q = qm.quantize_params(v, jnp.asarray(x))["params"]["kernel"]
+    q = jax.jit(qm.quantize_params)(v, jnp.asarray(x))["params"]["kernel"]
     np.testing.assert_array_equal(np.asarray(q.zero_point), np.full(6, 128, np.uint8))
-    np.testing.assert_allclose(np.asarray(qm.apply({"params": {"kernel": q}}, jnp.asarray(x))),
-                               y_t, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(jax.jit(qm.apply)({"params": {"kernel": q}}, jnp.asarray(x))),
+        y_t, rtol=1e-5, atol=1e-5)
 
     layer = nnx.Linear(12, 6, use_bias=False, rngs=nnx.Rngs(0))
     layer.kernel.set_value(jnp.asarray(kernel))
@@ -110,8 +124,9 @@ def test_learned_scale_of_a_symmetric_unsigned_spec_keeps_the_mid_range_zero_poi
     assert layer.promote_dtype.zero_point is None
     assert set(nnx.to_pure_dict(nnx.state(layer, nnx.Param))["promote_dtype"]) == {"scale"}
     layer.promote_dtype.scale.set_value(jnp.asarray(scale))
-    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), y_t, rtol=1e-5, atol=1e-5)
-    grads = nnx.grad(lambda m: jnp.sum(m(jnp.asarray(x)) * g))(layer)
+    np.testing.assert_allclose(np.asarray(_run(layer, jnp.asarray(x))), y_t, rtol=1e-5,
+                               atol=1e-5)
+    grads = nnx.jit(nnx.grad(lambda m: jnp.sum(m(jnp.asarray(x)) * g)))(layer)
     np.testing.assert_allclose(np.asarray(grads.promote_dtype.scale[...]), gs_t, rtol=1e-4,
                                atol=1e-4)
 
@@ -126,13 +141,12 @@ def test_learned_scales_of_a_grouped_strided_conv_match_torch():
                     use_bias=False)
     qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4),
                                            learn_scale=True))
-    v = qm.init(jax.random.key(0), jnp.asarray(x))
+    v = jax.jit(qm.init)(jax.random.key(0), jnp.asarray(x))
     assert v["params"]["kernel"].shape == (3, 3, 2, 6)
     scale = np.asarray(v["quant"]["kernel_scale"]) * 0.6
     v = {"params": v["params"], "quant": {"kernel_scale": jnp.asarray(scale)}}
-    y, vjp = jax.vjp(lambda v, x: qm.apply(v, x), v, jnp.asarray(x))
-    g = _normal(4, *y.shape)
-    gv, gx = vjp(jnp.asarray(g))
+    g = _normal(4, *jax.eval_shape(qm.apply, v, jnp.asarray(x)).shape)
+    y, (gv, gx) = _forward_and_vjp(qm.apply, v, jnp.asarray(x), jnp.asarray(g))
 
     kt = torch.tensor(np.asarray(v["params"]["kernel"]), requires_grad=True)
     st = torch.tensor(scale, requires_grad=True)
@@ -179,9 +193,9 @@ def test_nnx_stacked_layers_train_with_learned_scales_under_nnx_jit():
     params = jax.tree.leaves(nnx.state(model, nnx.Param))
     assert all(bool(jnp.isfinite(p).all()) for p in params)
     assert np.abs(np.asarray(model.layers.promote_dtype.scale[...]) - s0).max() > 1e-4
-    y_qat = model(x)
+    y_qat = _run(model, x)
     nnx_quantize(model, cfg)
-    np.testing.assert_allclose(np.asarray(nnx.jit(lambda m, x: m(x))(model, x)),
+    np.testing.assert_allclose(np.asarray(_run(model, x)),
                                np.asarray(y_qat), atol=1e-6)
 
 
@@ -201,7 +215,7 @@ def test_linen_embed_spec_that_does_not_fit_names_the_layer(learn):
     # context: "axis must be in [-2, 2) ..." without the layer it came from
     qm = quantize_linen(_Tied(), QuantConfig(weight=jq.QuantSpec(axis=2), learn_scale=learn))
     with pytest.raises(ValueError, match=r"layer 'emb' \(Embed\): axis must be in \[-2, 2\)"):
-        qm.init(jax.random.key(0), jnp.array([[1, 2, 3]]))
+        jax.eval_shape(qm.init, jax.random.key(0), jnp.array([[1, 2, 3]]))  # while tracing
 
 
 class _Block(nn.Module):
@@ -222,15 +236,16 @@ def test_learn_scale_without_its_quant_variables_is_an_error_naming_the_layer():
     # regression: Flax's ModifyScopeVariableError ('collection "quant" is immutable'),
     # which names neither the rule nor the fix
     x, cfg = jnp.ones((2, 6)), QuantConfig(learn_scale=True)
+    # shapes only (jax.eval_shape): the errors are raised while tracing
     qm = quantize_linen(nn.Sequential([nn.Dense(3)]), cfg)
-    v = qm.init(jax.random.key(0), x)
+    v = jax.eval_shape(qm.init, jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"layer 'layers_0' \(Dense\): learn_scale=True needs "
                                          r"the 'quant' variable kernel_scale"):
-        qm.apply({"params": v["params"]}, x)
+        jax.eval_shape(qm.apply, {"params": v["params"]}, x)
     qm = quantize_linen(_Scanned(), cfg)
     with pytest.raises(ValueError, match=r"layer 'Scan_Block_0/Dense_0' \(Dense\): .*"
                                          r"'quant' in variable_axes"):
-        qm.init(jax.random.key(0), x)
+        jax.eval_shape(qm.init, jax.random.key(0), x)
 
 
 # ----------------------------------------------------------------------------- intermediates
@@ -248,14 +263,17 @@ def test_capture_intermediates_records_each_quantized_layer_once():
     # regression: the layer re-run as a clone was recorded too, so every quantized layer
     # had two outputs under "intermediates" (one for a float layer)
     model, x = _Net(), jnp.asarray(_normal(7, 2, 5, 3))
-    v = model.init(jax.random.key(0), x)
+    v = jax.jit(model.init)(jax.random.key(0), x)
     spec = jq.QuantSpec(dtype=jnp.int4)
     qm = quantize_linen(model, QuantConfig(weight=spec))
-    fq = jax.tree.map(lambda w: jq.fake_quant(w, dtype=jnp.int4, axis=-1) if w.ndim > 1 else w,
-                      v)  # the float model on fake-quantized kernels: the same layer outputs
-    _, want = model.apply(fq, x, capture_intermediates=True, mutable=["intermediates"])
-    for variables in (v, qm.quantize_params(v, x)):
-        _, got = qm.apply(variables, x, capture_intermediates=True, mutable=["intermediates"])
+    fq = jax.jit(lambda v: jax.tree.map(
+        lambda w: jq.fake_quant(w, dtype=jnp.int4, axis=-1) if w.ndim > 1 else w,
+        v))(v)  # the float model on fake-quantized kernels: the same layer outputs
+    capture = lambda m: jax.jit(lambda v, x: m.apply(v, x, capture_intermediates=True,
+                                                     mutable=["intermediates"]))
+    _, want = capture(model)(fq, x)
+    for variables in (v, jax.jit(qm.quantize_params)(v, x)):
+        _, got = capture(qm)(variables, x)
         assert jax.tree.structure(got) == jax.tree.structure(want)
         for name in ("conv", "mid", "head"):
             (out,) = got["intermediates"][name]["__call__"]
@@ -273,13 +291,12 @@ def test_a_learned_scale_taken_below_zero_is_clamped_as_torch_does():
     x = _normal(0, 5, 8)
     model = nn.Dense(4, use_bias=False)
     qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(), learn_scale=True))
-    v = qm.init(jax.random.key(0), jnp.asarray(x))
+    v = jax.jit(qm.init)(jax.random.key(0), jnp.asarray(x))
     scale = np.asarray(v["quant"]["kernel_scale"]).copy()
     scale[1], scale[3] = -0.16, 0.0
     v = {"params": v["params"], "quant": {"kernel_scale": jnp.asarray(scale)}}
-    y, vjp = jax.vjp(lambda v: qm.apply(v, jnp.asarray(x)), v)
-    g = _normal(1, *y.shape)
-    (gv,) = vjp(jnp.asarray(g))
+    g = _normal(1, x.shape[0], 4)
+    y, (gv, _) = _forward_and_vjp(qm.apply, v, jnp.asarray(x), jnp.asarray(g))
 
     kt = torch.tensor(np.asarray(v["params"]["kernel"]), requires_grad=True)
     st = torch.tensor(np.maximum(scale, eps), requires_grad=True)
@@ -291,9 +308,9 @@ def test_a_learned_scale_taken_below_zero_is_clamped_as_torch_does():
     np.testing.assert_allclose(np.asarray(y), yt.detach().numpy(), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(gv["quant"]["kernel_scale"]), st.grad.numpy(),
                                rtol=1e-5, atol=1e-3)
-    q = qm.quantize_params(v, jnp.asarray(x))
+    q = jax.jit(qm.quantize_params)(v, jnp.asarray(x))
     assert np.all(np.asarray(q["params"]["kernel"].scale) >= eps)
-    np.testing.assert_allclose(np.asarray(qm.apply(q, jnp.asarray(x))), np.asarray(y),
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, jnp.asarray(x))), np.asarray(y),
                                rtol=1e-5, atol=1e-5)
 
 
@@ -305,8 +322,8 @@ def test_static_unsigned_activation_scale_keeps_the_symmetric_zero_point():
     model = nn.Dense(3)
     qm = quantize_linen(model, QuantConfig(weight=None, act=jq.flax.ActSpec(dtype=jnp.uint8,
                                                                              scale=0.02)))
-    v = qm.init(jax.random.key(0), jnp.asarray(x))
-    y = qm.apply(v, jnp.asarray(x))
+    v = jax.jit(qm.init)(jax.random.key(0), jnp.asarray(x))
+    y = jax.jit(qm.apply)(v, jnp.asarray(x))
     xq = torch.fake_quantize_per_tensor_affine(torch.from_numpy(x), 0.02, 128, 0, 255).numpy()
-    ref = model.apply(v, jnp.asarray(xq))
+    ref = jax.jit(model.apply)(v, jnp.asarray(xq))
     np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-6, atol=1e-6)

@@ -2,6 +2,8 @@
 round to nearest when inputs are uncorrelated, less output error than round to nearest
 otherwise, the same QTensor layout as `quantize`, clear argument errors."""
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,6 +140,11 @@ def test_argument_errors(kw, match):
         jq.gptq(args.pop("w"), args.pop("hessian"), **args)
 
 
+@functools.cache
+def _traced_gptq(damp):  # one compiled program per damp, shared by the cases below
+    return jax.jit(lambda w, h: jq.gptq(w, h, damp=damp))
+
+
 @pytest.mark.parametrize("hessian, damp", [
     ("rank_deficient", 0.0),  # 8 calibration rows for 64 inputs, undamped
     ("negative", 0.01),
@@ -151,7 +158,7 @@ def test_hessian_that_cannot_be_factored_is_an_error_not_zero_codes(hessian, dam
          "nan": np.full((64, 64), np.nan, np.float32)}[hessian]
     with pytest.raises(ValueError, match="not positive definite.*larger damp"):
         jq.gptq(w, jnp.asarray(h), damp=damp)
-    traced = jax.jit(lambda w, h: jq.gptq(w, h, damp=damp))(w, jnp.asarray(h))
+    traced = _traced_gptq(damp)(w, jnp.asarray(h))
     assert np.isnan(np.asarray(traced.dequantize())).all()  # never a plausible kernel
 
 

@@ -3,6 +3,8 @@ report and checkpoints (safetensors and orbax, bit for bit, packed)."""
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,12 +34,18 @@ def test_fake_quant_value_jit_vmap_grad(name):
     x = jax.random.normal(jax.random.key(0), (4, 8, 64)) * 3
     y = jq.fake_quant(x, dtype=name)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(jq.quantize(x, dtype=name).dequantize()))
-    np.testing.assert_array_equal(np.asarray(jax.jit(lambda x: jq.fake_quant(x, dtype=name))(x)),
-                                  np.asarray(y))
-    per_row = jax.vmap(lambda r: jq.fake_quant(r, dtype=name))(x)
-    np.testing.assert_array_equal(np.asarray(per_row)[:, :, :], np.asarray(
-        jnp.stack([jq.fake_quant(r, dtype=name) for r in x])))
-    g = jax.grad(lambda x: (jq.fake_quant(x, dtype=name) * x).sum())(x)
+
+    def fq(x):
+        return jq.fake_quant(x, dtype=name)
+
+    @jax.jit
+    def traced(x):  # one program: jit, vmap, the per-row loop and the gradient
+        return (fq(x), jax.vmap(fq)(x), jnp.stack([fq(r) for r in x]),
+                jax.grad(lambda x: (fq(x) * x).sum())(x))
+
+    jitted, per_row, rows, g = traced(x)
+    np.testing.assert_array_equal(np.asarray(jitted), np.asarray(y))
+    np.testing.assert_array_equal(np.asarray(per_row), np.asarray(rows))
     assert g.shape == x.shape and bool(jnp.all(jnp.isfinite(g)))
 
 
@@ -65,18 +73,18 @@ def test_fake_quant_trains_through_mxfp4_with_ceil_scales():
     k1, k2 = jax.random.split(jax.random.key(0))
     x = jax.random.normal(k1, (256, 64))
     y = x @ jax.random.normal(k2, (64, 32))
-    final = {}
-    for mode in ("floor", "ceil"):
-        def loss(w, mode=mode):
+
+    @functools.partial(jax.jit, static_argnames="mode")
+    def fit(x, y, mode):  # 300 steps in one program; the loss after them over the first
+        def loss(w):
             wq = jq.fake_quant(w, dtype="mxfp4", axis=0, scale_rounding=mode)
             return jnp.mean(jnp.sum((x @ wq - y) ** 2, -1))
 
-        w = jnp.zeros((64, 32))
-        step = jax.jit(lambda w, loss=loss: w - 0.005 * jax.grad(loss)(w))
-        first = float(loss(w))
-        for _ in range(300):
-            w = step(w)
-        final[mode] = float(loss(w)) / first
+        w0 = jnp.zeros((64, 32))
+        w = jax.lax.fori_loop(0, 300, lambda _, w: w - 0.005 * jax.grad(loss)(w), w0)
+        return loss(w) / loss(w0)
+
+    final = {mode: float(fit(x, y, mode)) for mode in ("floor", "ceil")}
     assert final["ceil"] < 0.05
     assert final["floor"] > 0.5
 
@@ -100,6 +108,7 @@ def test_tree_rules_report_and_safetensors_round_trip(name, tmp_path):
         assert row.format.startswith(name)
     path = tmp_path / "q.safetensors"
     jq.save_safetensors(path, tree)
+    want_out = np.asarray(jq.dequantize_tree(tree)["out"]["kernel"])
     for target in (None, tree, jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype),
                                             tree)):
         back = jq.load_safetensors(path, target)
@@ -111,7 +120,7 @@ def test_tree_rules_report_and_safetensors_round_trip(name, tmp_path):
                                           np.asarray(b).view(np.uint8)
                                           if np.dtype(b.dtype).itemsize == 1 else np.asarray(b))
         np.testing.assert_array_equal(np.asarray(jq.dequantize_tree(back)["out"]["kernel"]),
-                                      np.asarray(jq.dequantize_tree(tree)["out"]["kernel"]))
+                                      want_out)
 
 
 @pytest.mark.parametrize("name", ["nvfp4", "nf4_dq", "mxfp4"])

@@ -250,22 +250,26 @@ def test_rows_that_split_unevenly_are_streamed_in_large_chunks():
     assert rows is not None and rows % 2 == 0 and -(-2049 // rows) <= 3
 
 
-@pytest.mark.parametrize("spec,pack_axis,k,grad", [
-    (dict(dtype=jnp.uint8, axis=0, block_size=5, symmetric=False), None, 1001, False),  # 33 + 1
-    (dict(dtype=jnp.int4, axis=1), 0, 97, True),  # the last chunk ends in half a byte
-    (dict(dtype="nf4", axis=0, block_size=16), 0, 97, False),  # ... and in a partial block
-])
-def test_ragged_streamed_chunks_equal_the_reference(small_chunks, spec, pack_axis, k, grad):
-    rng = np.random.default_rng(k)
-    qt = jq.quantize(rng.standard_normal((k, 64)).astype(np.float32), **spec)
-    qt = qt if pack_axis is None else jq.pack(qt, pack_axis)
-    rows = stream_rows(qt, (0,), (), 20)
-    assert rows is not None and k % rows  # streamed, the rows not a multiple of the chunk
-    w = _np_dequantize(qt)
-    x = rng.standard_normal((20, k)).astype(np.float32)
-    _assert_dot(jq.qdot_general(x.T, qt, (((0,), (0,)), ((), ()))), x, w, DN)
-    if not grad:
-        return
-    g = jax.grad(lambda x: jnp.sum(jq.qdot_general(x, qt, DN) ** 2))(x)
-    ref = 2 * (x.astype(np.float64) @ w) @ w.T
-    np.testing.assert_allclose(np.asarray(g), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+@pytest.mark.usefixtures("small_chunks")
+class TestRaggedChunks:
+    """Weights streamed in small chunks whose number does not divide the rows."""
+
+    @pytest.mark.parametrize("spec,pack_axis,k,grad", [
+        (dict(dtype=jnp.uint8, axis=0, block_size=5, symmetric=False), None, 1001, False),  # 33 + 1
+        (dict(dtype=jnp.int4, axis=1), 0, 97, True),  # the last chunk ends in half a byte
+        (dict(dtype="nf4", axis=0, block_size=16), 0, 97, False),  # ... and in a partial block
+    ])
+    def test_ragged_streamed_chunks_equal_the_reference(self, spec, pack_axis, k, grad):
+        rng = np.random.default_rng(k)
+        qt = jq.quantize(rng.standard_normal((k, 64)).astype(np.float32), **spec)
+        qt = qt if pack_axis is None else jq.pack(qt, pack_axis)
+        rows = stream_rows(qt, (0,), (), 20)
+        assert rows is not None and k % rows  # streamed, the rows not a multiple of the chunk
+        w = _np_dequantize(qt)
+        x = rng.standard_normal((20, k)).astype(np.float32)
+        _assert_dot(jq.qdot_general(x.T, qt, (((0,), (0,)), ((), ()))), x, w, DN)
+        if not grad:
+            return
+        g = jax.grad(lambda x: jnp.sum(jq.qdot_general(x, qt, DN) ** 2))(x)
+        ref = 2 * (x.astype(np.float64) @ w) @ w.T
+        np.testing.assert_allclose(np.asarray(g), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())

@@ -22,65 +22,6 @@ def _reference(x, qt, dims):
     return np.asarray(jax.lax.dot_general(jnp.asarray(x), jq.dequantize(qt), dims))
 
 
-@pytest.mark.parametrize("spec", [
-    dict(axis=1),  # per output channel: one scale for every chunk
-    dict(),  # per tensor
-    dict(axis=0),  # per input row: the scale is cut with the rows
-    dict(axis=0, block_size=32),  # blocks along the streamed axis
-    dict(axis=1, block_size=8),  # blocks across it
-    dict(dtype=jnp.uint8, axis=1, symmetric=False),  # zero points
-    dict(dtype=jnp.int4, axis=0, block_size=32, packed=True),  # packed along the streamed axis
-    dict(dtype=jnp.int4, axis=1, packed=True),  # packed across it
-    dict(dtype=jnp.uint2, axis=0, symmetric=False, packed=True),
-    dict(dtype="nf4", axis=0, block_size=32),  # a codebook
-    dict(dtype=jnp.float8_e4m3fn, axis=1),
-])
-@pytest.mark.parametrize("k", [256, 1024])  # 8 chunks (unrolled), 32 (a loop)
-def test_streamed_equals_dequantize_then_dot(small_chunks, spec, k):
-    rng = np.random.default_rng(k)
-    x = rng.standard_normal((24, k), np.float32)
-    spec = dict(spec)
-    packed = spec.pop("packed", False)
-    qt = jq.quantize(rng.standard_normal((k, 64), np.float32), **spec)
-    if packed:
-        qt = jq.pack(qt, axis=spec.get("axis", 0) or 0)
-    assert stream_rows(qt, (0,), (), 24) is not None
-    y = jax.jit(lambda x, w: qdot_general(x, w, DN))(x, qt)
-    ref = _reference(x, qt, DN)
-    np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
-
-
-def test_streamed_weight_as_lhs_and_dense_general_kernel(small_chunks):
-    rng = np.random.default_rng(1)
-    qt = jq.quantize(rng.standard_normal((512, 48), np.float32), axis=1)
-    x = rng.standard_normal((512, 20), np.float32)
-    dims = (((0,), (0,)), ((), ()))  # w^T x, the QTensor first
-    assert stream_rows(qt, (0,), (), 20) is not None
-    np.testing.assert_allclose(np.asarray(qdot_general(qt, x, dims)),
-                               np.asarray(jq.dequantize(qt)).T @ x, rtol=1e-5, atol=1e-4)
-    # a DenseGeneral kernel (heads, head_dim, out) contracted over its two leading axes
-    k3 = jq.quantize(rng.standard_normal((16, 32, 40), np.float32), axis=2)
-    x3 = rng.standard_normal((6, 16, 32), np.float32)
-    dims3 = (((1, 2), (0, 1)), ((), ()))
-    assert stream_rows(k3, (0, 1), (), 6) is None  # fewer than STREAM_MIN_ROWS rows
-    x3 = np.repeat(x3, 4, axis=0)  # 24 rows
-    assert stream_rows(k3, (0, 1), (), 24) is not None
-    y3 = qdot_general(x3, k3, dims3)
-    ref3 = _reference(x3, k3, dims3)
-    np.testing.assert_allclose(np.asarray(y3), ref3, rtol=1e-5, atol=1e-5 * np.abs(ref3).max())
-
-
-def test_bfloat16_activations_sum_chunks_in_float32(small_chunks):
-    rng = np.random.default_rng(2)
-    qt = jq.quantize(rng.standard_normal((1024, 32), np.float32), axis=1)
-    x = jnp.asarray(rng.standard_normal((16, 1024)), jnp.bfloat16)
-    y = qdot_general(x, qt, DN)
-    assert y.dtype == jnp.bfloat16
-    exact = np.asarray(x, np.float64) @ np.asarray(jq.dequantize(qt, jnp.bfloat16), np.float64)
-    # one rounding to bfloat16 at the end (half an ulp), not one per chunk (32 chunks)
-    np.testing.assert_allclose(np.asarray(y, np.float64), exact, rtol=2 ** -8, atol=1e-3)
-
-
 def test_when_a_weight_is_streamed():
     qt = jq.quantize(jnp.ones((1024, 1024)), axis=1)  # 4 MiB of float32
     assert stream_rows(qt, (0,), (), 32) == 512  # two chunks of 2 MiB
@@ -137,13 +78,82 @@ def test_streamed_dot_on_a_sharded_weight_and_batch():
         np.testing.assert_allclose(np.asarray(y), _reference(x, qt, DN), rtol=1e-5, atol=1e-3)
 
 
-def test_gradient_through_a_streamed_weight(small_chunks):
-    # adapters trained on a frozen quantized base (QLoRA) differentiate through the dot
-    rng = np.random.default_rng(4)
-    qt = jq.quantize(rng.standard_normal((512, 64), np.float32), axis=1)
-    x = jnp.asarray(rng.standard_normal((20, 512)), jnp.float32)
-    assert stream_rows(qt, (0,), (), 20) is not None
-    g = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(qdot_general(x, qt, DN)))))(x)
-    ref = jax.grad(lambda x: jnp.sum(jnp.sin(x @ jq.dequantize(qt))))(x)
-    np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-4,
-                               atol=1e-5 * float(jnp.abs(ref).max()))
+# (quantize kwargs, rows k of the (k, 64) weight): with 8 KiB chunks, k = 1024 streams
+# 16 to 32 chunks in a loop for every layout; k = 256 streams 2 to 8 unrolled chunks
+# (the same chunk code with constant offsets), for a plain and a packed layout.
+STREAMED = [
+    (dict(axis=1), 1024),  # per output channel: one scale for every chunk
+    (dict(axis=1), 256),
+    (dict(), 1024),  # per tensor
+    (dict(axis=0), 1024),  # per input row: the scale is cut with the rows
+    (dict(axis=0, block_size=32), 1024),  # blocks along the streamed axis
+    (dict(axis=1, block_size=8), 1024),  # blocks across it
+    (dict(dtype=jnp.uint8, axis=1, symmetric=False), 1024),  # zero points
+    (dict(dtype=jnp.int4, axis=0, block_size=32, packed=True), 1024),  # packed along the stream
+    (dict(dtype=jnp.int4, axis=0, block_size=32, packed=True), 256),
+    (dict(dtype=jnp.int4, axis=1, packed=True), 1024),  # packed across it
+    (dict(dtype=jnp.uint2, axis=0, symmetric=False, packed=True), 256),
+    (dict(dtype="nf4", axis=0, block_size=32), 1024),  # a codebook
+    (dict(dtype=jnp.float8_e4m3fn, axis=1), 1024),
+]
+
+
+@pytest.mark.usefixtures("small_chunks")
+class TestSmallChunks:
+    """Weights streamed in many small chunks."""
+
+    @pytest.mark.parametrize("spec,k", STREAMED,
+                             ids=[f"{k}-spec{i}" for i, (_, k) in enumerate(STREAMED)])
+    def test_streamed_equals_dequantize_then_dot(self, spec, k):
+        rng = np.random.default_rng(k)
+        x = rng.standard_normal((24, k), np.float32)
+        spec = dict(spec)
+        packed = spec.pop("packed", False)
+        qt = jq.quantize(rng.standard_normal((k, 64), np.float32), **spec)
+        if packed:
+            qt = jq.pack(qt, axis=spec.get("axis", 0) or 0)
+        assert stream_rows(qt, (0,), (), 24) is not None
+        y = jax.jit(lambda x, w: qdot_general(x, w, DN))(x, qt)
+        ref = _reference(x, qt, DN)
+        np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
+
+    def test_streamed_weight_as_lhs_and_dense_general_kernel(self):
+        rng = np.random.default_rng(1)
+        qt = jq.quantize(rng.standard_normal((512, 48), np.float32), axis=1)
+        x = rng.standard_normal((512, 20), np.float32)
+        dims = (((0,), (0,)), ((), ()))  # w^T x, the QTensor first
+        assert stream_rows(qt, (0,), (), 20) is not None
+        np.testing.assert_allclose(np.asarray(qdot_general(qt, x, dims)),
+                                   np.asarray(jq.dequantize(qt)).T @ x, rtol=1e-5, atol=1e-4)
+        # a DenseGeneral kernel (heads, head_dim, out) contracted over its two leading axes
+        k3 = jq.quantize(rng.standard_normal((16, 32, 40), np.float32), axis=2)
+        x3 = rng.standard_normal((6, 16, 32), np.float32)
+        dims3 = (((1, 2), (0, 1)), ((), ()))
+        assert stream_rows(k3, (0, 1), (), 6) is None  # fewer than STREAM_MIN_ROWS rows
+        x3 = np.repeat(x3, 4, axis=0)  # 24 rows
+        assert stream_rows(k3, (0, 1), (), 24) is not None
+        y3 = qdot_general(x3, k3, dims3)
+        ref3 = _reference(x3, k3, dims3)
+        np.testing.assert_allclose(np.asarray(y3), ref3, rtol=1e-5, atol=1e-5 * np.abs(ref3).max())
+
+    def test_bfloat16_activations_sum_chunks_in_float32(self):
+        rng = np.random.default_rng(2)
+        qt = jq.quantize(rng.standard_normal((1024, 32), np.float32), axis=1)
+        x = jnp.asarray(rng.standard_normal((16, 1024)), jnp.bfloat16)
+        y = qdot_general(x, qt, DN)
+        assert y.dtype == jnp.bfloat16
+        exact = np.asarray(x, np.float64) @ np.asarray(jq.dequantize(qt, jnp.bfloat16),
+                                                       np.float64)
+        # one rounding to bfloat16 at the end (half an ulp), not one per chunk (32 chunks)
+        np.testing.assert_allclose(np.asarray(y, np.float64), exact, rtol=2 ** -8, atol=1e-3)
+
+    def test_gradient_through_a_streamed_weight(self):
+        # adapters trained on a frozen quantized base (QLoRA) differentiate through the dot
+        rng = np.random.default_rng(4)
+        qt = jq.quantize(rng.standard_normal((512, 64), np.float32), axis=1)
+        x = jnp.asarray(rng.standard_normal((20, 512)), jnp.float32)
+        assert stream_rows(qt, (0,), (), 20) is not None
+        g = jax.jit(jax.grad(lambda x: jnp.sum(jnp.sin(qdot_general(x, qt, DN)))))(x)
+        ref = jax.grad(lambda x: jnp.sum(jnp.sin(x @ jq.dequantize(qt))))(x)
+        np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-4,
+                                   atol=1e-5 * float(jnp.abs(ref).max()))
