@@ -20,7 +20,12 @@ make a jitted program disagree with the same operations run one by one:
   to 127 for small outputs; multiples of 4 from 4 to 1024 were right), or
   failed to compile ("No candidates could be compiled"). `int_dot_general`
   pads such a contraction with zero codes to a multiple of 4 (on every
-  backend), and `int_conv` a convolution's input features per group.
+  backend; the padded operands behind the barrier: a GEMM fusion that
+  reached the padding summed twice again), and `int_conv` a convolution's
+  input features per group.
+* cuDNN has no integer convolution with int32 output: XLA:GPU refuses to
+  compile one. On CUDA and ROCm `int_conv` sums the codes' products in
+  float32 convolutions, exactly (`float_conv_sums`).
 
 An optimization barrier hides an array's producer from the consumer: the
 narrow codes are written to memory and read back (a small buffer: one or two
@@ -41,7 +46,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-__all__ = ["keep_rounding", "gemm_operand", "int_dot_general", "int_conv"]
+__all__ = ["keep_rounding", "gemm_operand", "int_dot_general", "int_conv",
+           "float_conv_sums"]
 
 _SUB_BYTE = tuple(jnp.dtype(t) for t in (jnp.int4, jnp.uint4, jnp.int2, jnp.uint2))
 
@@ -85,10 +91,14 @@ def gemm_operand(codes: jax.Array) -> jax.Array:
       >>> gemm_operand(jnp.array([-8, 7], jnp.int4))
       Array([-8,  7], dtype=int8)
     """
+    return _barrier_off_cpu(_widen(codes))
+
+
+def _widen(codes: jax.Array) -> jax.Array:
     if codes.dtype in _SUB_BYTE:
-        codes = codes.astype(jnp.int8 if jnp.issubdtype(codes.dtype, jnp.signedinteger)
-                             else jnp.uint8)
-    return _barrier_off_cpu(codes)
+        return codes.astype(jnp.int8 if jnp.issubdtype(codes.dtype, jnp.signedinteger)
+                            else jnp.uint8)
+    return codes
 
 
 def _pad_to_four(a: jax.Array, axis: int) -> jax.Array:
@@ -99,9 +109,9 @@ def int_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
                     out_sharding=None) -> jax.Array:
     """``lax.dot_general`` of integer codes to exact int32 sums, on every backend.
 
-    Both operands pass through `gemm_operand`, and a contraction whose length
-    is not a multiple of 4 is padded with zero codes to one (the last
-    contracting axis of each operand), which adds nothing to the sums. The
+    A contraction whose length is not a multiple of 4 is padded with zero
+    codes to one (the last contracting axis of each operand), which adds
+    nothing to the sums, and both operands pass through `gemm_operand`. The
     padding is done on every backend (one program everywhere, tested on CPU);
     real models' contractions are multiples of 4 and pass untouched.
 
@@ -122,9 +132,11 @@ def int_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
              [-36]], dtype=int32)
     """
     (lc, rc), _ = dimension_numbers
-    lhs, rhs = gemm_operand(lhs), gemm_operand(rhs)
+    lhs, rhs = _widen(lhs), _widen(rhs)
     if lc and math.prod(lhs.shape[d] for d in lc) % 4:
         lhs, rhs = _pad_to_four(lhs, lc[-1]), _pad_to_four(rhs, rc[-1])
+    # the barrier after the padding: a GEMM fusion that reached the pad summed twice again
+    lhs, rhs = gemm_operand(lhs), gemm_operand(rhs)
     return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32,
                            out_sharding=out_sharding)
 
@@ -134,10 +146,12 @@ def int_conv(conv: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array,
              ) -> jax.Array:
     """``conv(lhs, rhs)`` of integer codes to exact int32 sums, on every backend.
 
-    Both operands pass through `gemm_operand`, and input features per group
-    that are not a multiple of 4 are padded with zero codes to one (in
-    ``lhs`` group by group, in ``rhs``'s input-feature axis), on every
-    backend, as `int_dot_general` pads a contraction.
+    Input features per group that are not a multiple of 4 are padded with
+    zero codes to one (in ``lhs`` group by group, in ``rhs``'s input-feature
+    axis), as `int_dot_general` pads a contraction, and both operands pass
+    through `gemm_operand`. On CUDA and ROCm (no integer convolution there)
+    the sums come from float32 convolutions instead (`float_conv_sums`), up
+    to `_FLOAT_CONV_TERMS` products per output.
 
     Args:
       conv: ``conv(lhs, rhs, preferred_element_type=...)``, a
@@ -160,11 +174,70 @@ def int_conv(conv: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array,
       >>> int_conv(conv, x, w, dn, 1)[..., 0]
       Array([[10, 10, 10]], dtype=int32)
     """
-    lhs, rhs = gemm_operand(lhs), gemm_operand(rhs)
-    c_axis, i_axis = dimension_numbers.lhs_spec[1], dimension_numbers.rhs_spec[1]
-    if rhs.shape[i_axis] % 4:
-        groups = lhs.shape[:c_axis] + (feature_group_count, -1) + lhs.shape[c_axis + 1:]
-        lhs = _pad_to_four(lhs.reshape(groups), c_axis + 1)
-        lhs = lhs.reshape(lhs.shape[:c_axis] + (-1,) + lhs.shape[c_axis + 2:])
-        rhs = _pad_to_four(rhs, i_axis)
-    return conv(lhs, rhs, preferred_element_type=jnp.int32)
+    lhs, rhs = _widen(lhs), _widen(rhs)
+    o_axis, i_axis = dimension_numbers.rhs_spec[:2]
+    c_axis = dimension_numbers.lhs_spec[1]
+
+    def integer(lhs, rhs):
+        if rhs.shape[i_axis] % 4:
+            groups = lhs.shape[:c_axis] + (feature_group_count, -1) + lhs.shape[c_axis + 1:]
+            lhs = _pad_to_four(lhs.reshape(groups), c_axis + 1)
+            lhs = lhs.reshape(lhs.shape[:c_axis] + (-1,) + lhs.shape[c_axis + 2:])
+            rhs = _pad_to_four(rhs, i_axis)
+        lhs, rhs = gemm_operand(lhs), gemm_operand(rhs)
+        return conv(lhs, rhs, preferred_element_type=jnp.int32)
+
+    terms = rhs.size // max(rhs.shape[o_axis], 1)  # products summed into each output
+    if terms > _FLOAT_CONV_TERMS:
+        return integer(lhs, rhs)
+    return lax.platform_dependent(
+        lhs, rhs, default=integer,
+        cuda=lambda a, b: float_conv_sums(conv, a, b, terms),
+        rocm=lambda a, b: float_conv_sums(conv, a, b, terms))
+
+
+# a float32 sum of integers is exact while every partial sum stays below 2**24
+_FLOAT_CONV_TERMS = 2**24 // 15**2  # products of two 4-bit halves: at most 15 * 15
+
+
+def float_conv_sums(conv: Callable[..., jax.Array], lhs: jax.Array, rhs: jax.Array,
+                    terms: int) -> jax.Array:
+    """The int32 convolution of 8-bit codes from float32 convolutions, exactly.
+
+    cuDNN has no integer convolution with int32 output (XLA:GPU refuses one).
+    Products of 8-bit codes are at most ``2**14``: with at most ``2**10``
+    products per output, one float32 convolution sums them exactly. With
+    more, each code is split into 4-bit halves, ``x = 16 * (x >> 4) + (x & 15)``
+    (products at most ``15 * 15``), and four float32 convolutions are combined
+    in int32, exact up to `_FLOAT_CONV_TERMS` products per output.
+
+    Args:
+      conv: as for `int_conv` (it takes ``preferred_element_type``).
+      lhs: int8 or uint8 codes of the input.
+      rhs: int8 or uint8 codes of the kernel.
+      terms: the number of products summed into each output (at most
+        ``_FLOAT_CONV_TERMS``).
+
+    Returns:
+      The int32 convolution of the codes.
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> from jax import lax
+      >>> x = jnp.full((1, 3, 2), 100, jnp.int8); w = jnp.full((1, 2, 1), -128, jnp.int8)
+      >>> dn = lax.conv_dimension_numbers(x.shape, w.shape, ("NWC", "WIO", "NWC"))
+      >>> conv = lambda a, b, **kw: lax.conv_general_dilated(a, b, (1,), "VALID",
+      ...                                                    dimension_numbers=dn, **kw)
+      >>> float_conv_sums(conv, x, w, 2)[..., 0]
+      Array([[-25600, -25600, -25600]], dtype=int32)
+    """
+    def sums(a, b):
+        # behind a barrier: XLA:GPU rewrites a float32 convolution of converted int8 arrays
+        # into cuDNN's int8 one (a float32 output idiom), which summed grouped ones wrongly
+        a, b = lax.optimization_barrier((a.astype(jnp.float32), b.astype(jnp.float32)))
+        return conv(a, b, preferred_element_type=jnp.float32).astype(jnp.int32)
+
+    if terms <= 2**10:
+        return sums(lhs, rhs)
+    (lh, ll), (rh, rl) = ((v >> 4, v & 15) for v in (lhs, rhs))
+    return 256 * sums(lh, rh) + 16 * (sums(lh, rl) + sums(ll, rh)) + sums(ll, rl)

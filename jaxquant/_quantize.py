@@ -19,6 +19,7 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._args import as_array
+from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import decode
 from jaxquant._formats import Format, value_dtype
 from jaxquant._granularity import (
@@ -361,6 +362,7 @@ def dequantize_values(qt: QTensor) -> jax.Array:
     return apply_grouped(values, q, qt.layout, s, f, None if zp is None else zp.astype(jnp.float32))
 
 
+@jax.custom_jvp
 def _signed_nan(out: jax.Array, codes: jax.Array) -> jax.Array:
     """``out``, with each NaN the quiet NaN of ``out.dtype`` with its float8 code's sign.
 
@@ -375,10 +377,17 @@ def _signed_nan(out: jax.Array, codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(b, out.dtype)
 
 
+@_signed_nan.defjvp
+def _signed_nan_jvp(primals, tangents):  # the identity on every number: its tangent passes
+    return _signed_nan(*primals), tangents[0]
+
+
 @functools.partial(jax.jit, static_argnames=("dtype",))
 def _dequantize(qt, dtype):
     out = dequantize_values(qt).astype(dtype)
     codes = qt.qvalue
-    if isinstance(codes, PackedArray) or qt.format.name not in NAN_CODES:
-        return out
-    return lax.platform_dependent(out, codes, cpu=lambda out, codes: out, default=_signed_nan)
+    if not isinstance(codes, PackedArray) and qt.format.name in NAN_CODES:
+        out = lax.platform_dependent(out, codes, cpu=lambda out, codes: out, default=_signed_nan)
+    # XLA:GPU would fold a bfloat16/float16 result cast back to float32 (a layer's promotion)
+    # into the unrounded float32 one, as it would a fake-quantized value
+    return keep_rounding(out) if out.dtype.itemsize < 4 else out

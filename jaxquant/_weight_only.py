@@ -200,7 +200,9 @@ def _gemm_ready(qt: QTensor) -> QTensor:
     if isinstance(codes, PackedArray) or not qt.format.is_integer or qt.format.bits >= 8:
         return qt
     wide = gemm_operand(codes)
-    zp = None if qt.zero_point is None else qt.zero_point.astype(wide.dtype)
+    # the zero points too: int4 ones read straight from memory inside a GEMM fusion gave
+    # wrong products on an H200 (as int4 codes did)
+    zp = None if qt.zero_point is None else gemm_operand(qt.zero_point).astype(wide.dtype)
     return dataclasses.replace(qt, qvalue=wide, zero_point=zp)
 
 

@@ -2,6 +2,7 @@
 
 import jax
 import jax.extend.core
+import jax.numpy as jnp
 
 
 def find_eqns(jaxpr, name: str = "dot_general"):
@@ -11,6 +12,19 @@ def find_eqns(jaxpr, name: str = "dot_general"):
             yield eqn
         for sub in jax.extend.core.jaxprs_in_params(eqn.params):
             yield from find_eqns(sub, name)
+
+
+def integer_convolution(jaxpr):
+    """The one int8 x int8 convolution of ``jaxpr``. Any other convolution must be the CUDA
+    and ROCm branch of `jaxquant._barriers.int_conv` (cuDNN has no int32 convolution), which
+    sums the same codes in float32 convolutions."""
+    convs = list(find_eqns(jaxpr, "conv_general_dilated"))
+    dtypes = [[v.aval.dtype for v in c.invars] for c in convs]
+    ints = [c for c, d in zip(convs, dtypes, strict=True) if d == [jnp.int8, jnp.int8]]
+    assert len(ints) == 1, dtypes
+    assert all(d == [jnp.float32, jnp.float32] for c, d in zip(convs, dtypes, strict=True)
+               if c is not ints[0]), dtypes
+    return ints[0]
 
 
 def lowered_text(fn, *args, platform: str) -> str:

@@ -18,7 +18,13 @@ from jax import lax
 from jaxpr_utils import lowered_text
 
 import jaxquant as jq
-from jaxquant._barriers import gemm_operand, int_conv, int_dot_general, keep_rounding
+from jaxquant._barriers import (
+    float_conv_sums,
+    gemm_operand,
+    int_conv,
+    int_dot_general,
+    keep_rounding,
+)
 from jaxquant._dot import ActQuant, qdot_general
 
 DN = (((1,), (0,)), ((), ()))
@@ -74,7 +80,10 @@ def test_unpacked_sub_byte_weights_are_widened_behind_a_barrier_off_cpu(dtype, w
     w = jq.quantize(jax.random.normal(jax.random.key(1), (33, 70)), dtype=dtype, axis=0,
                     symmetric=not dtype.startswith("u"))
     f = lambda x, w: qdot_general(x, w, (((1,), (1,)), ((), ())))  # noqa: E731
-    assert _barrier_types(lowered_text(f, x, w, platform="cuda")) == [widened]
+    # the codes, and the zero points of an asymmetric format (int4 read inside a GEMM fusion
+    # gave wrong products, zero points too)
+    behind = [widened] * (1 if w.zero_point is None else 2)
+    assert _barrier_types(lowered_text(f, x, w, platform="cuda")) == behind
     assert _barrier_types(lowered_text(f, x, w, platform="cpu")) == []
     ref = np.asarray(x, np.float64) @ np.asarray(jq.dequantize(w), np.float64).T
     np.testing.assert_allclose(np.asarray(jax.jit(f)(x, w)), ref, rtol=1e-5, atol=1e-5)
@@ -142,13 +151,21 @@ def test_int8_contractions_are_padded_to_a_multiple_of_four():
     }
     for name, (fn, args, padded) in programs.items():
         for platform in ("cpu", "cuda"):
-            found = set(_integer_contractions(lowered_text(fn, *args, platform=platform)))
+            text = lowered_text(fn, *args, platform=platform)
+            found = set(_integer_contractions(text))
+            if platform == "cuda" and "convolution" in name:  # cuDNN: no int32 convolution
+                assert not found and re.search(r"stablehlo\.convolution[^\n]*tensor<[\dx]+xf32>",
+                                               text), (name, platform, found)
+                continue
             assert found == padded, (name, platform, found)
 
 
 @pytest.mark.parametrize("dims,shapes", [((((1,), (0,)), ((), ())), ((5, 6), (6, 7))),
                                          ((((2,), (1,)), ((0,), (0,))), ((3, 4, 6), (3, 6, 5))),
-                                         ((((1, 2), (0, 1)), ((), ())), ((2, 3, 3), (3, 3, 4)))])
+                                         ((((1, 2), (0, 1)), ((), ())), ((2, 3, 3), (3, 3, 4))),
+                                         # both contracted on their last axis (SwitchBack's
+                                         # backward): twice the sums on an H200, padded or not
+                                         ((((1,), (1,)), ((), ())), ((5, 9), (70, 9)))])
 def test_the_padded_int8_dot_gives_the_same_sums(dims, shapes):
     rng = np.random.default_rng(0)
     a, b = (jnp.asarray(rng.integers(-128, 128, s), jnp.int8) for s in shapes)
@@ -176,3 +193,38 @@ def test_the_padded_int8_convolution_gives_the_same_sums(groups, layout):
     got = jax.jit(lambda x, w: int_conv(conv, x, w, dn, groups))(x, w)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want, np.int64))
+
+
+@pytest.mark.parametrize("groups,in_features,width", [
+    (1, 6, 3),  # 18 products per output: one float32 convolution
+    (2, 1002, 3),  # 1,503 products per output (an odd sum): split into 4-bit halves
+])
+@pytest.mark.parametrize("dtypes", [(jnp.int8, jnp.int8), (jnp.uint8, jnp.int8)],
+                         ids=["int8", "uint8-input"])
+def test_float_conv_sums_are_the_exact_integer_sums(groups, in_features, width, dtypes):
+    """The GPU route of `int_conv` (cuDNN has no int32 convolution), run here on the CPU: the
+    extreme codes make products as large as they get, so an inexact float32 sum shows."""
+    rng = np.random.default_rng(groups)
+    info = np.iinfo(dtypes[0])
+    lhs_shape, rhs_shape = (2, 7, in_features), (width, in_features // groups, 4)
+    x = rng.integers(info.min, info.max + 1, lhs_shape)
+    w = rng.integers(-128, 128, rhs_shape)
+    # one batch row and one output feature of large odd codes: their sums pass 2**24 and are
+    # odd, which a float32 sum cannot hold
+    odd = lambda lo, shape: lo + 2 * rng.integers(0, 14, shape)  # noqa: E731
+    x[0] = odd(229, x[0].shape) if info.min == 0 else -odd(101, x[0].shape)
+    w[..., 0] = -odd(101, w[..., 0].shape)
+    dn = lax.conv_dimension_numbers(lhs_shape, rhs_shape, ("NWC", "WIO", "NWC"))
+
+    def conv(a, b, **kw):
+        return lax.conv_general_dilated(a, b, (1,), "SAME", dimension_numbers=dn,
+                                        feature_group_count=groups, **kw)
+
+    terms = width * in_features // groups
+    got = jax.jit(lambda a, b: float_conv_sums(conv, a, b, terms))(
+        jnp.asarray(x, dtypes[0]), jnp.asarray(w, dtypes[1]))
+    with jax.enable_x64():  # the int64 convolution on the CPU: the exact sums
+        cpu = jax.devices("cpu")[0]
+        want = conv(*(jax.device_put(jnp.asarray(v, jnp.int64), cpu) for v in (x, w)))
+    assert got.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

@@ -10,7 +10,7 @@ import pytest
 nn = pytest.importorskip("flax.linen")
 nnx = pytest.importorskip("flax.nnx")
 
-from jaxpr_utils import find_eqns  # noqa: E402
+from jaxpr_utils import find_eqns, integer_convolution  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
 from jaxquant.flax import ActSpec, QuantConfig, nnx_quantize, quantize_linen  # noqa: E402
@@ -251,7 +251,8 @@ def test_linen_einsum_string_given_twice_is_refused_as_in_flax():
 
 
 def _int8_dots(jaxpr):
-    eqns = list(find_eqns(jaxpr)) + list(find_eqns(jaxpr, "conv_general_dilated"))
+    convs = list(find_eqns(jaxpr, "conv_general_dilated"))
+    eqns = list(find_eqns(jaxpr)) + ([integer_convolution(jaxpr)] if convs else [])
     return [[v.aval.dtype for v in e.invars] + [e.outvars[0].aval.dtype] for e in eqns]
 
 

@@ -11,7 +11,7 @@ import pytest
 nnx = pytest.importorskip("flax.nnx")
 optax = pytest.importorskip("optax")
 
-from jaxpr_utils import find_eqns  # noqa: E402
+from jaxpr_utils import find_eqns, integer_convolution  # noqa: E402
 from nnx_training import train_nnx  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
@@ -258,8 +258,7 @@ def test_w8a8_inference_close_to_float_and_dots_are_int8(zoo, zoo_float):
     assert len(int_dots) == 6
     assert all(e.outvars[0].aval.dtype == jnp.int32 for e in int_dots)
     assert all(e.outvars[0].aval.shape == (2, 5, 11) for e in dots if e not in int_dots)
-    (conv,) = find_eqns(jaxpr, "conv_general_dilated")
-    assert [v.aval.dtype for v in conv.invars] == [jnp.int8, jnp.int8]
+    conv = integer_convolution(jaxpr)
     assert conv.outvars[0].aval.dtype == jnp.int32
 
 

@@ -54,7 +54,8 @@ def _onnx(nodes, feeds: dict, outputs: dict) -> list:
         [helper.make_node(op, i, o, **a) for op, i, o, a in nodes], "g",
         [helper.make_tensor_value_info(k, _TYPES[v.dtype], v.shape) for k, v in feeds.items()],
         [helper.make_tensor_value_info(k, _TYPES[np.dtype(t)], None) for k, t in outputs.items()])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)])
+    # IR 10: what ONNX Runtime reads (newer onnx releases write IR versions it refuses)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 21)], ir_version=10)
     ref = ReferenceEvaluator(model).run(None, feeds)
     if ort is not None:  # unfused: its MatMulIntegerToFloat fusion rounds the scaling apart
         opts = ort.SessionOptions()

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant._barriers import keep_rounding
 from jaxquant._packing import unpack
 from jaxquant._qtensor import is_qtensor, scale_values
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
@@ -130,7 +131,9 @@ def embed_take(table, idx, dtype=None) -> jax.Array:
     if qt.zero_point is not None:
         codes = codes - rows(qt.zero_point).astype(jnp.float32)
     nan = jnp.take(jnp.zeros(n, jnp.float32), idx, axis=0)[..., None]  # NaN out of range
-    return (codes * rows(scale_values(qt)) + nan).astype(table.dtype).astype(dtype)
+    rows_out = (codes * rows(scale_values(qt)) + nan).astype(table.dtype)
+    # kept in the table's dtype where XLA:GPU would fold the rounding into a cast to float32
+    return (keep_rounding(rows_out) if rows_out.dtype.itemsize < 4 else rows_out).astype(dtype)
 
 
 def _attend(m, act, qt, args, kwargs):
