@@ -63,20 +63,25 @@ def run_rounds(fns: dict[str, Callable[[], object]],
 
 
 def parse_rounds(doc: str, argv: Sequence[str] | None, *, flag: str = "--rounds",
-                 default: int = 5) -> argparse.Namespace:
+                 default: int = 5, layers: int | None = None) -> argparse.Namespace:
     """Parses ``flag`` (round-robin rounds, at least 1) and ``--out`` (the results folder).
 
     The parser's description is the first paragraph of ``doc``; ``argv`` None reads
-    ``sys.argv``.
+    ``sys.argv``. With ``layers`` (a default), ``--layers`` too (at least 1).
     """
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     p.add_argument(flag, type=int, default=default, dest="rounds",
                    help=f"round-robin rounds (default {default})")
+    if layers is not None:
+        p.add_argument("--layers", type=int, default=layers,
+                       help=f"transformer blocks in the tree (default {layers})")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"),
                    help="output folder (default benchmarks/results)")
     args = p.parse_args(argv)
     if args.rounds < 1:
         p.error(f"{flag} must be at least 1, got {args.rounds}")
+    if layers is not None and args.layers < 1:
+        p.error(f"--layers must be at least 1, got {args.layers}")
     return args
 
 

@@ -37,10 +37,10 @@ import jaxquant._rounding as rounding
 
 try:  # python -m benchmarks.division_routes
     from benchmarks._harness import machine_info, parse_rounds, run_rounds, write_report
-    from benchmarks.quantize_tree import compile_times, random_tree
+    from benchmarks.quantize_tree import LAYERS, compile_times, random_tree
 except ImportError:  # python benchmarks/division_routes.py
     from _harness import machine_info, parse_rounds, run_rounds, write_report
-    from quantize_tree import compile_times, random_tree
+    from quantize_tree import LAYERS, compile_times, random_tree
 
 PACKAGES = ("jax", "jaxlib", "numpy")
 CPU_DIVISION = rounding._plain_division
@@ -70,9 +70,9 @@ def measure_route(division, tree: dict, rounds: int) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Measures each route (compile, program size, run time, codes), writes the results."""
-    args = parse_rounds(__doc__, argv)
+    args = parse_rounds(__doc__, argv, layers=LAYERS)
     wall = time.perf_counter()
-    tree = jax.block_until_ready(random_tree())
+    tree = jax.block_until_ready(random_tree(layers=args.layers))
     routes = {name: measure_route(division, tree, args.rounds)
               for name, division in ROUTES.items()}
     # Run times round-robin, each route's compiled program as it was compiled.

@@ -53,19 +53,20 @@ PACKAGES = ("jax", "jaxlib", "numpy", "qwix", "flax")
 D, LAYERS, VOCAB, CONTEXT = 768, 12, 50257, 1024
 
 
-def gpt2_shapes() -> dict:
-    """GPT-2 small's parameter shapes as a nested dict (Flax-like names)."""
+def gpt2_shapes(layers: int = LAYERS) -> dict:
+    """GPT-2 small's parameter shapes as a nested dict (Flax-like names), ``layers`` blocks."""
     dense = lambda n_in, n_out: {"kernel": (n_in, n_out), "bias": (n_out,)}
     norm = {"scale": (D,), "bias": (D,)}
     block = {"ln_1": norm, "attn": {"c_attn": dense(D, 3 * D), "c_proj": dense(D, D)},
              "ln_2": norm, "mlp": {"c_fc": dense(D, 4 * D), "c_proj": dense(4 * D, D)}}
     return {"wte": {"embedding": (VOCAB, D)}, "wpe": {"embedding": (CONTEXT, D)},
-            "h": {str(i): block for i in range(LAYERS)}, "ln_f": norm}
+            "h": {str(i): block for i in range(layers)}, "ln_f": norm}
 
 
-def random_tree(seed: int = 0) -> dict:
-    """The GPT-2-small tree with random-normal float32 leaves, on the device."""
-    shapes = gpt2_shapes()
+def random_tree(seed: int = 0, layers: int = LAYERS) -> dict:
+    """The GPT-2-small tree (``layers`` blocks) with random-normal float32 leaves, on the
+    device."""
+    shapes = gpt2_shapes(layers)
     leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
     keys = jax.random.split(jax.random.key(seed), len(leaves))
     normal = jax.jit(jax.random.normal, static_argnums=(1,))
@@ -154,9 +155,9 @@ def compile_times(fn: Callable, tree: dict, repeats: int) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Builds the tree, measures compile and run times and memory, writes the results."""
-    args = parse_rounds(__doc__, argv, flag="--repeats")
+    args = parse_rounds(__doc__, argv, flag="--repeats", layers=LAYERS)
     wall = time.perf_counter()
-    tree = jax.block_until_ready(random_tree())
+    tree = jax.block_until_ready(random_tree(layers=args.layers))
     n_params = sum(x.size for x in jax.tree.leaves(tree))
     print(f"tree: {n_params:,} parameters, {jq.tree_nbytes(tree) / 2**20:.1f} MiB",
           file=sys.stderr)

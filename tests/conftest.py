@@ -2,15 +2,14 @@
 
 import os
 
-# 8 host devices, and XLA:CPU compiling without LLVM's expensive optimizations: the suite is
-# bound by compile time (thousands of small programs), and these passes change neither the
-# HLO programs nor their IEEE arithmetic, only how fast the machine code runs. A flag the
+from xla_env import COMPILE_FAST
+
+# 8 host devices, and compiling without LLVM's expensive passes (see `xla_env`); a flag the
 # caller's XLA_FLAGS already sets is left as it is.
-_FLAGS = ("--xla_force_host_platform_device_count=8", "--xla_backend_optimization_level=0",
-          "--xla_llvm_disable_expensive_passes=true")
 _given = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
-    [_given] + [f for f in _FLAGS if f.split("=")[0] not in _given]).strip()
+    [_given] + [f for f in ("--xla_force_host_platform_device_count=8", *COMPILE_FAST)
+                if f.split("=")[0] not in _given]).strip()
 
 import jax  # noqa: E402
 

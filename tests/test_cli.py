@@ -9,13 +9,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from xla_env import full_speed_env
 
 import jaxquant as jq
 from jaxquant import _cli, _demo
 from jaxquant._report import quantization_report
 
 # A child process must not wait for GPU memory that this test process preallocated.
-ENV = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+ENV = full_speed_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
 
 
 def test_demo_table_runs_quantized_model():

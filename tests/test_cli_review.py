@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from cli_checks import one_error as _one_error
+from xla_env import full_speed_env
 
 import jaxquant as jq
 from jaxquant import _cli, _demo
@@ -32,7 +33,7 @@ def test_version_in_process_and_from_python_m(capsys):
         _cli.main(["--version"])
     assert e.value.code == 0
     assert capsys.readouterr().out == f"jaxquant {jq.__version__}\n"
-    env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+    env = full_speed_env(XLA_PYTHON_CLIENT_PREALLOCATE="false")
     res = subprocess.run([sys.executable, "-m", "jaxquant", "--version"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert (res.returncode, res.stdout) == (0, f"jaxquant {jq.__version__}\n"), res.stderr
