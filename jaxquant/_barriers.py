@@ -20,9 +20,10 @@ make a jitted program disagree with the same operations run one by one:
   to 127 for small outputs; multiples of 4 from 4 to 1024 were right), or
   failed to compile ("No candidates could be compiled"). `int_dot_general`
   pads such a contraction with zero codes to a multiple of 4 (on every
-  backend; the padded operands behind the barrier: a GEMM fusion that
-  reached the padding summed twice again), and `int_conv` a convolution's
-  input features per group.
+  backend; the padded operands go behind the barrier, so that no fusion
+  reaches the padding), and `int_conv` a convolution's input features per
+  group. One product still came back doubled on an H200 (2026-11-27): both
+  operands contracted on their last axis (5 x 9 by 70 x 9), padded or not.
 * cuDNN has no integer convolution with int32 output: XLA:GPU refuses to
   compile one. On CUDA and ROCm `int_conv` sums the codes' products in
   float32 convolutions, exactly (`float_conv_sums`).
@@ -135,7 +136,7 @@ def int_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
     lhs, rhs = _widen(lhs), _widen(rhs)
     if lc and math.prod(lhs.shape[d] for d in lc) % 4:
         lhs, rhs = _pad_to_four(lhs, lc[-1]), _pad_to_four(rhs, rc[-1])
-    # the barrier after the padding: a GEMM fusion that reached the pad summed twice again
+    # the barrier after the padding: no GEMM fusion reaches the padded operands
     lhs, rhs = gemm_operand(lhs), gemm_operand(rhs)
     return lax.dot_general(lhs, rhs, dimension_numbers, preferred_element_type=jnp.int32,
                            out_sharding=out_sharding)
