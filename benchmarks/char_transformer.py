@@ -168,10 +168,9 @@ class Variant:
     acts: bool = False
 
 
-def train(model: CharTransformer, variant: Variant, data: np.ndarray, cfg: Config,
+def train(model: CharTransformer, params: dict, variant: Variant, data: np.ndarray, cfg: Config,
           log: Callable[[str], None]) -> tuple[dict, list[float], list[float]]:
-    """Trains from scratch; returns params, the loss curve and the step times (s)."""
-    params = model.init(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))
+    """Trains from the initial ``params``; returns params, the loss curve and the step times (s)."""
     schedule = optax.warmup_cosine_decay_schedule(0.0, cfg.lr, cfg.steps // 20, cfg.steps)
     opt = optax.adamw(schedule, weight_decay=0.01)
     state = opt.init(params)
@@ -236,9 +235,10 @@ def run(cfg: Config, out: pathlib.Path, log: Callable[[str], None] = print) -> d
     model = CharTransformer(cfg)
     log(f"corpus: {len(train_data):,} train / {len(val_data):,} validation bytes; "
         f"{jax.devices()[0].platform}")
+    init = jax.jit(model.init)(jax.random.key(0), jnp.zeros((1, cfg.context), jnp.int32))
     rows, curves = [], {}
     for v in VARIANTS:
-        params, losses, times = train(model, v, train_data, cfg, log)
+        params, losses, times = train(model, init, v, train_data, cfg, log)
         curves[v.name] = losses
         step_ms = 1e3 * statistics.median(times)
         if v.weights is None:
