@@ -279,7 +279,14 @@ def test_converting_twice_with_another_format_raises():
     with pytest.raises(ValueError, match=r"Linear at 'layers/0' holds a int8 QTensor kernel"
                                          r".*weight dtype int4"):
         nnx_quantize(model, QuantConfig(weight=INT4))
+    # regression: the same format with another axis, block or zero points was kept silently
+    for weight in (jq.QuantSpec(axis=0), jq.QuantSpec(symmetric=False),
+                   jq.QuantSpec(axis=0, block_size=4)):
+        with pytest.raises(ValueError, match=r"Linear at 'layers/0' holds QTensor\(int8\[8, 4\], "
+                                             r"axis=1, scale\[4\].*rule gives weight=QuantSpec"):
+            nnx_quantize(model, QuantConfig(weight=weight))
     y = run(model, X)
+    nnx_quantize(model, QuantConfig(weight=jq.QuantSpec(axis=1)))  # axis 1 is axis -1 here
     nnx_quantize(model, QuantConfig(act=ActSpec()))  # same format, now w8a8
     ref = jq.fake_quant(X, dtype=jnp.int8, axis=0) @ model.layers[0].kernel[...].dequantize()
     np.testing.assert_allclose(run(model, X), ref + model.layers[0].bias[...][None], rtol=1e-5,

@@ -21,6 +21,7 @@ from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype as nnx_promote_dtype
 
 from jaxquant._dot import promote_dtype as q_promote_dtype
+from jaxquant._packing import unpack
 from jaxquant._qtensor import is_qtensor
 from jaxquant._schemes import resolve
 from jaxquant.flax._boxes import QuantizedParam, keep_sharding
@@ -275,6 +276,15 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
     return live_grams(grams)
 
 
+def _layout(qt) -> tuple:
+    """What a QTensor's spec decides, storage aside: its leaves' shapes and dtypes (unpacked),
+    its axis (non-negative), block and codebook."""
+    qt = jax.eval_shape(unpack, qt)
+    axis = None if qt.axis is None else qt.axis % max(qt.ndim, 1)
+    return ([(tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree.leaves(qt)], axis,
+            qt.block_size, qt.codebook)
+
+
 def _quantize_kernel(path: str, kernel, spec, hook, extra: int):
     """The QTensor of one layer's kernel (learned scales from ``hook``), or an error naming
     the layer."""
@@ -317,8 +327,9 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
       ValueError: an invalid pattern; a masked convolution; a rule whose weight spec
-        is not the one a layer learned its scales for in `nnx_qat`, or whose format is
-        not that of a layer's QTensor kernel (converted before); a gram for no covered
+        is not the one a layer learned its scales for in `nnx_qat`, or whose format or
+        layout (axis, block, zero points; packing aside) is not that of a layer's QTensor
+        kernel (converted before); a gram for no covered
         layer or for a layer GPTQ cannot quantize (see
         `QuantizedLinen.quantize_params`).
 
@@ -359,6 +370,12 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
                              f" QTensor {kernel_name(layer)} (an earlier nnx_quantize), but its "
                              f"rule gives weight dtype {spec.dtype}; a QTensor is not quantized "
                              f"again: convert the float (or QAT) model.")
+        elif _layout(kernel) != _layout(jax.eval_shape(
+                lambda k: stack(spec, extra)(k),  # noqa: B023 (called at once)
+                jax.ShapeDtypeStruct(kernel.shape, kernel.dtype))):
+            raise ValueError(f"the {type(layer).__name__} at {path!r} holds {kernel!r} (an "
+                             f"earlier nnx_quantize), but its rule gives weight={spec}; a "
+                             f"QTensor is not quantized again: convert the float (or QAT) model.")
         keep_sharding(layer, kernel_name(layer), var, extra, boxed)
         act, where = cfg.act, f"layer {path!r} ({type(layer).__name__})"
         if isinstance(layer, nnx.Embed | nnx.ConvTranspose):  # ops that take no QTensor
