@@ -314,18 +314,25 @@ def check_packed(p: PackedArray, argname: str = "qvalue", hint: str = "") -> Non
 
 
 def _six_bit_fields(codes: jax.Array, name: str) -> jax.Array:
-    """uint8 codebook ``codes`` checked (when concrete) or masked (when traced) to 6 bits.
-
-    Raises:
-      ValueError: concrete codes of 64 or more: their high bits would land in the
-        neighbouring code's field.
-    """
+    """uint8 codebook ``codes`` checked (when concrete: a ValueError for codes of 64 or
+    more, whose high bits would land in the neighbouring field) or masked (traced) to 6 bits."""
     if not isinstance(codes, jax.core.Tracer) and codes.size:
         top = int(jnp.max(codes))
         if top >= 64:
             raise ValueError(f"x: {name} codes are 6-bit indices (0 to 63), got a largest code "
                              f"{top}; packed four in three bytes it would change its neighbour.")
     return codes & jnp.uint8(63)  # traced: a code never spills into its neighbour's bits
+
+
+def _pack_six(codes: jax.Array, axis: int, name: str) -> PackedArray:
+    """uint8 codebook ``codes`` packed four per three bytes along ``axis``."""
+    if codes.ndim == 0:  # the message of pack_bits
+        raise ValueError("codes must have at least one dimension to be packed, got a scalar.")
+    a = normalize_axis(axis, codes.ndim)
+    check_shards_fit(codes, Layout("tensor"), 4, pack_axis=a, name="codes",
+                     unpacked="another axis of pack")
+    data = pack_fields(_six_bit_fields(codes, name), 6, a)
+    return PackedArray(data, np.dtype(codes.dtype), tuple(codes.shape), a, 6)
 
 
 def pack(x, axis: int = -1):
@@ -337,7 +344,8 @@ def pack(x, axis: int = -1):
 
     Returns:
       A `PackedArray`, or for a `QTensor` the same record with a `PackedArray`
-      as ``qvalue`` (``dequantize`` unpacks it).
+      as ``qvalue`` (``dequantize`` unpacks it). Codes already packed along ``axis`` are
+      returned as they are; packed along another axis, they are repacked along ``axis``.
 
     Raises:
       TypeError: ``x`` not an array, or of a format wider than 4 bits (6-bit float6
@@ -352,20 +360,14 @@ def pack(x, axis: int = -1):
       >>> jq.pack(qt).nbytes, qt.nbytes
       (7, 7)
     """
-    if isinstance(x, PackedArray):
-        return x
     if hasattr(x, "qvalue"):  # a QTensor
         if x.format.bits == 6 and not isinstance(x.qvalue, PackedArray):  # float6 codebooks
-            if x.ndim == 0:
-                raise ValueError("codes must have at least one dimension to be packed, got a "
-                                 "scalar.")
-            a = normalize_axis(axis, x.ndim)
-            check_shards_fit(x.qvalue, Layout("tensor"), 4, pack_axis=a, name="codes",
-                             unpacked="another axis of pack")
-            data = pack_fields(_six_bit_fields(x.qvalue, x.format.name), 6, a)
-            return dataclasses.replace(x, qvalue=PackedArray(data, np.dtype(x.qvalue.dtype),
-                                                             tuple(x.shape), a, 6))
+            return dataclasses.replace(x, qvalue=_pack_six(x.qvalue, axis, x.format.name))
         return dataclasses.replace(x, qvalue=pack(x.qvalue, axis))
+    if isinstance(x, PackedArray):  # repacked only along another axis
+        if normalize_axis(axis, x.ndim) == x.axis:
+            return x
+        return _pack_six(x.unpack(), axis, x.dtype.name) if x.bits else pack(x.unpack(), axis)
     x = as_array(x, "x")
     if x.ndim:
         check_shards_fit(x, Layout("tensor"), 8 // math.gcd(8, _check_packable(x.dtype, "codes")),

@@ -111,6 +111,24 @@ def test_packed_array_is_a_pytree_through_jit():
     np.testing.assert_array_equal(out.data, p.data)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "uint2", "float6_e3m2fn"])
+def test_pack_of_packed_codes_repacks_along_another_axis(fmt):
+    # regression: pack(x, axis=0) of codes packed along axis 1 returned them as they were
+    x = jnp.asarray(np.random.default_rng(3).standard_normal((5, 7)).astype(np.float32))
+    qt = jq.quantize(x, dtype=fmt, axis=0)
+    bits = 6 if fmt.startswith("float6") else int(fmt[-1])
+    along_1 = jq.pack(qt, axis=1)
+    assert jq.pack(along_1, axis=-1).qvalue is along_1.qvalue  # already packed along it
+    for packed in (jq.pack(along_1, axis=0), jax.jit(jq.pack, static_argnums=1)(along_1, 0)):
+        assert packed.qvalue.axis == 0
+        assert packed.qvalue.data.shape == (3 * -(-5 // 4) if bits == 6 else -(-5 * bits // 8), 7)
+        np.testing.assert_array_equal(np.asarray(jq.unpack(packed).qvalue).view(np.uint8),
+                                      np.asarray(qt.qvalue).view(np.uint8))
+        np.testing.assert_array_equal(jq.dequantize(packed), jq.dequantize(qt))
+    repacked = jq.pack(along_1.qvalue, axis=0)
+    assert isinstance(repacked, jq.PackedArray) and repacked.axis == 0
+
+
 # Every format and every granularity, the signed 2- and 4-bit formats in every granularity
 # (the fast path's arithmetic does not depend on the granularity).
 FAST_PATHS = [(fmt, gran) for fmt in ("int4", "int2")
