@@ -97,6 +97,7 @@ class _Config:
     saturate: bool
     grad_scale: bool
     float_zero_point: bool = False  # float4 with a (zero) zero point: -0.0 codes become +0.0
+    normal_scale: bool = False  # computed float32 scales: no subnormal (`_rounding.divide`)
 
 
 def fake_quant(
@@ -193,7 +194,7 @@ def fake_quant(
     float_zp = given_zero_point and not fmt.is_integer and fmt.bits < 8
     # float4 has no inf or NaN: it clips whatever `saturate` says, and so does the STE
     config = _Config(fmt, layout, bool(saturate) or fmt.always_saturates, bool(lsq_grad_scale),
-                     float_zp)
+                     float_zp, computed and options.plain)
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
     if (computed and symmetric and fmt.is_integer and fmt.signed and zero_point is None
             and noise is None and options.plain):
@@ -207,7 +208,7 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     """(unclipped float codes, clipped float codes, rounded zero point or None, x / scale)."""
     fmt = config.fmt
     s = expand(scale, x.shape, config.layout)
-    t = quotient(x.astype(jnp.float32), s, fmt)
+    t = quotient(x.astype(jnp.float32), s, fmt, config.normal_scale)
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, t
     if not fmt.is_integer:
@@ -249,8 +250,12 @@ def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _fake_quant(x, scale, zero_point, noise, config: _Config):
     _, q, zp, _ = _codes(x, scale, zero_point, noise, config)
-    s, f = (expand(v, x.shape, config.layout) for v in scale_factors(scale))  # as `dequantize`
-    out = (((q if zp is None else q - zp) * s) * f).astype(x.dtype)
+    v = q if zp is None else q - zp
+    if config.normal_scale:  # `scale_factors` would give the scale itself and 1
+        out = (v * expand(scale, x.shape, config.layout)).astype(x.dtype)
+    else:
+        s, f = (expand(a, x.shape, config.layout) for a in scale_factors(scale))  # `dequantize`'s
+        out = ((v * s) * f).astype(x.dtype)
     # XLA:GPU would fold a bfloat16/float16 value cast back to float32 (a layer's promotion)
     # into the unrounded float32 one: the QAT model would not be the quantized model
     return keep_rounding(out) if x.dtype.itemsize < 4 else out

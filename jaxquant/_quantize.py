@@ -250,17 +250,18 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
 
 
 def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: bool = True,
-                   wide: bool = False, key: jax.Array | None = None):
+                   wide: bool = False, key: jax.Array | None = None, normal_scale: bool = False):
     """Codes of ``x`` for scale-shaped float32 ``scale``/``zero_point`` (no checks; traceable).
 
     ``wide=True`` returns sub-byte integer codes as int8 (same values), and
     codebook codes as uint8. ``key`` draws the noise of stochastic rounding. The codes
     of every format are constants of differentiation (as integer codes are), not a float
     cast's identity with its cotangent rounded to float8/float4 (`fake_quant` has the STE).
+    ``normal_scale``: ``scale`` holds no subnormal (see `jaxquant._rounding.divide`).
     """
     def codes(x, noise, s, zp):
-        return round_to_codes(quotient(x.astype(jnp.float32), s, fmt), zp, fmt, saturate, wide,
-                              noise)
+        return round_to_codes(quotient(x.astype(jnp.float32), s, fmt, normal_scale), zp, fmt,
+                              saturate, wide, noise)
 
     # drawn at x's shape (as `fake_quant` draws it), not at the padded shape of the blocks
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
@@ -269,9 +270,9 @@ def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: 
 
 
 def _record(x, stored_scale, divisor, zero_point, fmt: Format, layout: Layout, saturate: bool,
-            packed: bool, key) -> QTensor:
+            packed: bool, key, normal_scale: bool = False) -> QTensor:
     wide = packed and fmt.kind != "float"
-    codes = quantize_codes(x, divisor, zero_point, fmt, layout, saturate, wide, key)
+    codes = quantize_codes(x, divisor, zero_point, fmt, layout, saturate, wide, key, normal_scale)
     if packed:
         axis = x.ndim - 1
         if wide:
@@ -299,7 +300,9 @@ def scale_values_of(scale) -> jax.Array:
                                              "options"))
 def _quantize_computed(x, fmt, layout, symmetric, saturate, packed, options, key):
     stored, divisor, zero_point = computed_scale(x, fmt, layout, symmetric, options)
-    return _record(x, stored, divisor, zero_point, fmt, layout, saturate, packed, key)
+    # float32 scales computed from x are never subnormal (at least 2**-126, 1, inf or NaN)
+    return _record(x, stored, divisor, zero_point, fmt, layout, saturate, packed, key,
+                   normal_scale=options.plain)
 
 
 def quantize_computed_values(x: jax.Array, fmt: Format, axis, block_size):

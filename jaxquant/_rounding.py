@@ -56,6 +56,8 @@ kept at or above the smallest normal number, ``2**-126``.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -83,17 +85,18 @@ NAN_CODES = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E}  # ml_dtypes' quiet NaN
 
 
 def _normal_times_2_64(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(a * 2**64, True)`` where ``a`` is subnormal, else ``(a, False)``; exact.
+    """``(a * 2**64, True)`` where ``a`` is subnormal or zero, else ``(a, False)``; exact.
 
     XLA:CPU flushes subnormal operands to zero, so the product is formed from
     the bits: a subnormal's bits (sign apart) are its mantissa ``m``, and
-    ``a * 2**64 == m * 2**-85``, a normal float32.
+    ``a * 2**64 == m * 2**-85``, a normal float32 (a zero stays the same zero). The sign
+    is or-ed back into the bits: fewer operations per element than a selection.
     """
     b = bits(a)
     m = b & _I32(0x7FFFFFFF)
-    sub = (m != 0) & (m < 0x00800000)
-    up = m.astype(_F32) * _F32(2.0**-85)
-    return jnp.where(sub, jnp.where(b < 0, -up, up), a), sub
+    up = from_bits(bits(m.astype(_F32) * _F32(2.0**-85)) | (b & _I32(-(2**31))))
+    sub = m < 0x00800000
+    return jnp.where(sub, up, a), sub
 
 
 def scale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -124,23 +127,31 @@ def _plain_division(x: jax.Array, scale: jax.Array) -> jax.Array:
     zero, which changes no code of any format (the smallest nonzero code
     magnitude of every format is ``2**-17`` or more).
     """
-    x, x_sub = _normal_times_2_64(x)
     scale, s_sub = _normal_times_2_64(scale)
-    q = x / jnp.where(x == x, scale, _F32(1))
-    factor = jnp.where(x_sub, _F32(2.0**-64), _F32(1)) * jnp.where(s_sub, _F32(2.0**64), _F32(1))
-    return q * factor
+    return _division_by_normal(x, scale) * jnp.where(s_sub, _F32(2.0**64), _F32(1))
+
+
+def _division_by_normal(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """`_plain_division` for a ``scale`` that holds no subnormal: about 15% less work per
+    element (XLA computes a broadcast scale's terms again for every element)."""
+    x, x_sub = _normal_times_2_64(x)
+    return x / jnp.where(x == x, scale, _F32(1)) * jnp.where(x_sub, _F32(2.0**-64), _F32(1))
 
 
 def _corrected_division(x: jax.Array, scale: jax.Array) -> jax.Array:
     return nan_propagated(x, scale, correct_quotient(x, scale, _plain_division(x, scale)))
 
 
+def _corrected_division_by_normal(x: jax.Array, scale: jax.Array) -> jax.Array:
+    return nan_propagated(x, scale, correct_quotient(x, scale, _division_by_normal(x, scale)))
+
+
 def _wide_division(x: jax.Array, scale: jax.Array) -> jax.Array:
     return nan_propagated(x, scale, wide_divide(x, scale))
 
 
-@jax.custom_jvp
-def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def divide(x: jax.Array, scale: jax.Array, normal_scale: bool = False) -> jax.Array:
     """The correctly rounded float32 quotient ``x / scale``, elementwise, on every backend.
 
     On CPU this is the hardware division (correctly rounded); on GPUs a
@@ -152,6 +163,9 @@ def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
     Args:
       x: float32 array.
       scale: float32 array broadcastable to ``x`` (typically a broadcast scale).
+      normal_scale: the caller guarantees that ``scale`` holds no subnormal number
+        (computed scales are at least ``2**-126``, 1, inf or NaN): the CPU skips
+        their rescaling. A subnormal scale then reads as zero.
 
     Returns:
       ``x / scale`` rounded once, to nearest even, as IEEE 754 requires.
@@ -163,15 +177,17 @@ def divide(x: jax.Array, scale: jax.Array) -> jax.Array:
       True
     """
     x, scale = jnp.asarray(x, _F32), jnp.asarray(scale, _F32)
-    return lax.platform_dependent(x, scale, cpu=_plain_division, cuda=_wide_division,
-                                  rocm=_wide_division, default=_corrected_division)
+    plain, corrected = ((_division_by_normal, _corrected_division_by_normal) if normal_scale
+                        else (_plain_division, _corrected_division))
+    return lax.platform_dependent(x, scale, cpu=plain, cuda=_wide_division,
+                                  rocm=_wide_division, default=corrected)
 
 
 @divide.defjvp
-def _divide_jvp(primals, tangents):
+def _divide_jvp(normal_scale, primals, tangents):
     x, scale = primals
     dx, ds = tangents
-    q = divide(x, scale)
+    q = divide(x, scale, normal_scale)
     return q, (dx - q * ds) / scale
 
 
@@ -207,17 +223,19 @@ def signed_nan_codes(t: jax.Array, codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(b, codes.dtype)
 
 
-def quotient(x: jax.Array, scale: jax.Array, fmt: Format) -> jax.Array:
+def quotient(x: jax.Array, scale: jax.Array, fmt: Format, normal_scale: bool = False
+             ) -> jax.Array:
     """``x / scale`` as ``fmt`` defines it: correctly rounded (`divide`), or, for
     bitsandbytes' codebooks (NF4, FP4), ``x * (1 / scale)`` as bitsandbytes computes it
     (``vals * local_abs_max_inv``); the reciprocal is a per-group constant, so XLA fuses
     the product into the code search instead of writing the quotients out. Scales above
     ``2**100`` take the reciprocal of ``scale * 2**-64`` and ``x * 2**-64`` (both exact):
-    a subnormal ``1 / scale`` would be flushed to zero on XLA:CPU."""
+    a subnormal ``1 / scale`` would be flushed to zero on XLA:CPU. ``normal_scale``: as for
+    `divide`."""
     if fmt.is_codebook and fmt.ties == "down":
         c = jnp.where(scale > _F32(2.0**100), _F32(2.0**-64), _F32(1))
         return (x * c) * divide(jnp.ones((), jnp.float32), scale * c)
-    return divide(x, scale)
+    return divide(x, scale, normal_scale)
 
 
 def exponent(a: jax.Array) -> jax.Array:

@@ -150,6 +150,33 @@ def test_subnormal_inputs_and_scales_match_onnx(fmt, scale):
     assert_same_bits(fake[normal], values[normal], "fake_quant")
 
 
+@pytest.mark.parametrize("fmt", ["int8", "float8_e5m2"])
+def test_subnormal_inputs_with_computed_scales_match_onnx(fmt):
+    """Computed scales are never subnormal (the division skips their rescaling); the
+    subnormal inputs of their groups still quantize as ONNX does, in quantize, fake_quant and
+    the dynamic int8 activations of qdot_general."""
+    x = _with_subnormals(np.random.default_rng(11))[:800].reshape(8, 100)
+    # the groups' maxima: normal (a group of subnormals alone reads as zeros, scale 1)
+    x[:6, 0] = np.float32(2.0**-126) * np.float32([1, 3, 100, 2**20, 1.5, 1])
+    dt = np_dtype(fmt)
+    qmax = np.float64(ml_dtypes.finfo(dt).max if fmt.startswith("float") else 127)
+    amax = np.abs(x).max(axis=1, keepdims=True).astype(np.float64)
+    want_s = np.maximum(amax / qmax, 2.0**-126).astype(np.float32)  # every group has a max
+    qt = jq.quantize(jnp.asarray(x), dtype=dt, axis=0)
+    np.testing.assert_array_equal(np.asarray(qt.scale)[:, None], want_s)
+    for i in range(8):
+        want = onnx_run("QuantizeLinear", {"x": x[i], "s": want_s[i, 0],
+                                           "z": np.zeros((), dt)})
+        assert_same_bits(np.asarray(qt.qvalue)[i], want, f"codes of group {i}")
+    fake = np.asarray(jq.fake_quant(jnp.asarray(x), dtype=dt, axis=0))
+    assert_same_bits(fake, np.asarray(jq.dequantize(qt)), "fake_quant")
+    if fmt == "int8":  # per-token activation codes: the same groups, summed against ones
+        out = jq.qdot_general(jnp.asarray(x), jq.quantize(jnp.ones((100, 1)), axis=1),
+                              (((1,), (0,)), ((), ())), act_quant=jq.ActQuant())
+        codes = np.asarray(qt.qvalue, np.int64).sum(axis=1, keepdims=True)
+        np.testing.assert_allclose(np.asarray(out), codes * want_s, rtol=2e-7)
+
+
 @pytest.mark.parametrize("fmt, inside, outside", [
     ("float8_e4m3fn", [447.0, 455.0, 463.9, 464.0], [464.1, 500.0]),  # 464 ties down to 448
     ("float8_e5m2", [57344.0, 61439.0], [61440.0, 70000.0]),  # 61440 ties up, beyond

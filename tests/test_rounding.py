@@ -178,6 +178,14 @@ def test_divide_reads_subnormal_operands_on_cpu():
     normal = np.abs(want) >= np.finfo(np.float32).tiny
     np.testing.assert_array_equal(u32(got[normal]), u32(want[normal]))
     np.testing.assert_array_equal(u32(got[~normal]), u32(np.copysign(np.float32(0), want[~normal])))
+    # normal_scale=True (computed scales): subnormal x still read from the bits
+    s = np.where(np.abs(s) < np.finfo(np.float32).tiny, np.float32(2.0**-126), s)
+    got = np.asarray(jax.jit(divide, static_argnums=2)(jax.device_put(x, cpu),
+                                                       jax.device_put(s, cpu), True))
+    want = x / s
+    normal = np.abs(want) >= np.finfo(np.float32).tiny
+    assert normal.sum() >= 4
+    np.testing.assert_array_equal(u32(got[normal]), u32(want[normal]))
 
 
 def test_divide_is_differentiable_as_a_quotient():
@@ -241,6 +249,7 @@ def division(request, monkeypatch):
     if request.param == "gpu":
         jax.clear_caches()  # programs traced with the CPU's division
         monkeypatch.setattr(rounding, "_plain_division", rounding._wide_division)
+        monkeypatch.setattr(rounding, "_division_by_normal", rounding._wide_division)
     yield request.param
     if request.param == "gpu":
         jax.clear_caches()
