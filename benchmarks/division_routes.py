@@ -43,9 +43,10 @@ except ImportError:  # python benchmarks/division_routes.py
     from quantize_tree import LAYERS, compile_times, random_tree
 
 PACKAGES = ("jax", "jaxlib", "numpy")
+CPU_DIVISIONS = dict(rounding.CPU_DIVISIONS)  # by the scales' kind: any or normal
 CPU_DIVISION = rounding._plain_division
-ROUTES = {  # name -> the function that takes the CPU division's place
-    "CPU: IEEE float32 division (the CPU's own route)": CPU_DIVISION,
+ROUTES = {  # name -> the function that takes the CPU divisions' place (None: the CPU's own)
+    "CPU: IEEE float32 division (the CPU's own route)": None,
     "GPU: float64 division rounded to float32": rounding._wide_division,
     "TPU: float32 quotient + exact-residual correction": lambda x, s: rounding.nan_propagated(
         x, s, rounding.correct_quotient(x, s, CPU_DIVISION(x, s))),
@@ -55,7 +56,8 @@ ROUTES = {  # name -> the function that takes the CPU division's place
 def measure_route(division, tree: dict, rounds: int) -> dict:
     """Compile times, program size, one run's codes and a jitted function, with ``division``."""
     jax.clear_caches()  # traces made with another route's division
-    rounding._plain_division = division
+    if division is not None:
+        rounding.CPU_DIVISIONS.update(dict.fromkeys(CPU_DIVISIONS, division))
     try:
         times = compile_times(jq.quantize_tree, tree, rounds)
         compiled = jax.jit(jq.quantize_tree).lower(tree).compile()  # kept by clear_caches
@@ -65,7 +67,7 @@ def measure_route(division, tree: dict, rounds: int) -> dict:
         return {**times, "hlo_instructions": sum(" = " in line for line in text.splitlines()),
                 "fn": compiled, "codes": codes}
     finally:
-        rounding._plain_division = CPU_DIVISION
+        rounding.CPU_DIVISIONS.update(CPU_DIVISIONS)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

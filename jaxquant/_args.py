@@ -13,8 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.typing import ArrayLike
 
-__all__ = ["as_array", "as_dtype", "as_precision"]
+__all__ = ["as_array", "as_float_input", "as_dtype", "as_precision"]
 
 
 def as_array(value, argname: str) -> jax.Array:
@@ -33,6 +34,20 @@ def as_array(value, argname: str) -> jax.Array:
     except (TypeError, ValueError) as e:
         raise TypeError(f"{argname} must be an array, got {type(value).__name__} "
                         f"{value!r:.80} ({e}).") from None
+
+
+def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
+    """``x`` as a JAX array, or a TypeError if it is not floating point."""
+    dt = getattr(x, "dtype", None)
+    if dt is None:
+        x = as_array(x, argname)
+        dt = x.dtype
+    if not jnp.issubdtype(dt, jnp.floating):
+        raise TypeError(
+            f"{argname} must be a floating-point array, got dtype {dt}; "
+            f"integer arrays are codes already (wrap them in jaxquant.QTensor)."
+        )
+    return jnp.asarray(x)
 
 
 def as_dtype(value, argname: str) -> np.dtype:

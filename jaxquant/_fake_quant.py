@@ -55,9 +55,10 @@ import ml_dtypes
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array
+from jaxquant._args import as_array, as_float_input
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import code_values
+from jaxquant._cpu_division import scale_factors
 from jaxquant._formats import Format
 from jaxquant._granularity import (
     Layout,
@@ -70,19 +71,12 @@ from jaxquant._granularity import (
 from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
 from jaxquant._quantize import (
     _check_key,
-    as_float_input,
     check_flags,
     check_scale_arguments,
     computed_scale,
     scale_values_of,
 )
-from jaxquant._rounding import (
-    positive_zero,
-    quotient,
-    round_to_codes,
-    scale_factors,
-    stochastic_int,
-)
+from jaxquant._rounding import positive_zero, quotient, round_to_codes, stochastic_int
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
@@ -208,7 +202,7 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     """(unclipped float codes, clipped float codes, rounded zero point or None, x / scale)."""
     fmt = config.fmt
     s = expand(scale, x.shape, config.layout)
-    t = quotient(x.astype(jnp.float32), s, fmt, config.normal_scale)
+    t = quotient(x.astype(jnp.float32), s, fmt, "normal" if config.normal_scale else "any")
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, t
     if not fmt.is_integer:

@@ -112,7 +112,7 @@ def int_operand(op, contract: tuple, act_quant: ActQuant):
         # One reduction of |x| (activations are small: two reductions cost more dispatch).
         amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0)
         scale, _ = scale_from_range(amax, amax, _INT8, True)  # NaN for a NaN amax
-        return round_to_codes(divide(x, scale, True), None, _INT8), scale, None
+        return round_to_codes(divide(x, scale, "normal"), None, _INT8), scale, None
     fmt, layout, codes = op.format, op.layout, op.qvalue
     offset = 0 if fmt.signed else 1 << (fmt.bits - 1)  # unsigned u -> int8 u - offset
     if isinstance(codes, PackedArray):

@@ -19,9 +19,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike
 
+from jaxquant._args import as_float_input
 from jaxquant._formats import get_format
 from jaxquant._granularity import explicit_sharding, group_reduce, layout_from_args
-from jaxquant._quantize import as_float_input, check_flags
+from jaxquant._quantize import check_flags
 from jaxquant._scales import scale_from_range
 
 __all__ = ["Observer", "RangeState"]

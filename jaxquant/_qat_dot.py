@@ -120,7 +120,7 @@ def _weight_codes(rhs, cfg: _Config):
     # max(|min|, |max|): fake_quant's; 0 (scale 1) for an empty weight
     amax = jnp.max(jnp.abs(x), axis=axes, keepdims=True, initial=0.0)
     scale, _ = scale_from_range(amax, amax, _INT8, True)  # NaN for a NaN amax
-    return round_to_codes(divide(x, scale, True), None, _INT8), scale
+    return round_to_codes(divide(x, scale, "normal"), None, _INT8), scale
 
 
 def _dequantize_weight(codes, scale, cfg: _Config, dtype):

@@ -18,9 +18,10 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array
+from jaxquant._args import as_array, as_float_input
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import decode
+from jaxquant._cpu_division import scale_factors
 from jaxquant._formats import Format, value_dtype
 from jaxquant._granularity import (
     Layout,
@@ -36,26 +37,12 @@ from jaxquant._qtensor import (
     check_zero_point,
     zero_point_like_scale,
 )
-from jaxquant._rounding import NAN_CODES, quotient, round_to_codes, scale_factors
+from jaxquant._rounding import NAN_CODES, quotient, round_to_codes
 from jaxquant._scale_formats import ScaleOptions, computed_scale, scale_options
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
 
 __all__ = ["quantize", "dequantize"]
-
-
-def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
-    """``x`` as a JAX array, or a TypeError if it is not floating point."""
-    dt = getattr(x, "dtype", None)
-    if dt is None:
-        x = as_array(x, argname)
-        dt = x.dtype
-    if not jnp.issubdtype(dt, jnp.floating):
-        raise TypeError(
-            f"{argname} must be a floating-point array, got dtype {dt}; "
-            f"integer arrays are codes already (wrap them in jaxquant.QTensor)."
-        )
-    return jnp.asarray(x)
 
 
 def _as_scale(scale: ArrayLike, argname: str = "scale") -> jax.Array:
@@ -250,17 +237,17 @@ def _raw_key_shape(impl: str) -> tuple[int, ...]:
 
 
 def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: bool = True,
-                   wide: bool = False, key: jax.Array | None = None, normal_scale: bool = False):
+                   wide: bool = False, key: jax.Array | None = None, scale_kind: str = "any"):
     """Codes of ``x`` for scale-shaped float32 ``scale``/``zero_point`` (no checks; traceable).
 
     ``wide=True`` returns sub-byte integer codes as int8 (same values), and
     codebook codes as uint8. ``key`` draws the noise of stochastic rounding. The codes
     of every format are constants of differentiation (as integer codes are), not a float
     cast's identity with its cotangent rounded to float8/float4 (`fake_quant` has the STE).
-    ``normal_scale``: ``scale`` holds no subnormal (see `jaxquant._rounding.divide`).
+    ``scale_kind``: what ``scale`` is known to hold (see `jaxquant._rounding.divide`).
     """
     def codes(x, noise, s, zp):
-        return round_to_codes(quotient(x.astype(jnp.float32), s, fmt, normal_scale), zp, fmt,
+        return round_to_codes(quotient(x.astype(jnp.float32), s, fmt, scale_kind), zp, fmt,
                               saturate, wide, noise)
 
     # drawn at x's shape (as `fake_quant` draws it), not at the padded shape of the blocks
@@ -270,9 +257,9 @@ def quantize_codes(x, scale, zero_point, fmt: Format, layout: Layout, saturate: 
 
 
 def _record(x, stored_scale, divisor, zero_point, fmt: Format, layout: Layout, saturate: bool,
-            packed: bool, key, normal_scale: bool = False) -> QTensor:
+            packed: bool, key, scale_kind: str = "any") -> QTensor:
     wide = packed and fmt.kind != "float"
-    codes = quantize_codes(x, divisor, zero_point, fmt, layout, saturate, wide, key, normal_scale)
+    codes = quantize_codes(x, divisor, zero_point, fmt, layout, saturate, wide, key, scale_kind)
     if packed:
         axis = x.ndim - 1
         if wide:
@@ -302,7 +289,7 @@ def _quantize_computed(x, fmt, layout, symmetric, saturate, packed, options, key
     stored, divisor, zero_point = computed_scale(x, fmt, layout, symmetric, options)
     # float32 scales computed from x are never subnormal (at least 2**-126, 1, inf or NaN)
     return _record(x, stored, divisor, zero_point, fmt, layout, saturate, packed, key,
-                   normal_scale=options.plain)
+                   "normal" if options.plain else "any")
 
 
 def quantize_computed_values(x: jax.Array, fmt: Format, axis, block_size):

@@ -46,12 +46,9 @@ narrow float type that is cast back to float32 in the same program:
 `jaxquant._barriers.keep_rounding` keeps the codes.
 
 XLA:CPU reads float32 subnormals as zero and flushes subnormal results to
-zero. The CPU division therefore scales a subnormal ``x`` or ``scale`` by
-``2**64`` from its bits first (exact), and multiplies the quotient back (a
-quotient below ``2**-126`` becomes zero, which changes no code);
-`scale_factors` does the same for products with a subnormal scale
-(dequantization). GPUs keep subnormals; TPUs flush them. Computed scales are
-kept at or above the smallest normal number, ``2**-126``.
+zero: `jaxquant._cpu_division` reads subnormal operands from their bits. GPUs
+keep subnormals; TPUs flush them. Computed scales are kept at or above the
+smallest normal number, ``2**-126``.
 """
 
 from __future__ import annotations
@@ -72,86 +69,31 @@ from jaxquant._corrected_division import (
     from_bits,
     nan_propagated,
 )
+from jaxquant._cpu_division import CPU_DIVISIONS, _plain_division
 from jaxquant._formats import Format
 from jaxquant._wide_division import wide_divide
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
            "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "stochastic_int", "quotient",
-           "scale_factors", "positive_zero"]
+           "positive_zero", "CPU_DIVISIONS"]
 
 _INT32_LO, _INT32_HI = -2147483648.0, 2147483520.0  # float32 values that fit in int32
 _F32, _I32, _U32 = jnp.float32, jnp.int32, jnp.uint32
 NAN_CODES = {"float8_e4m3fn": 0x7F, "float8_e5m2": 0x7E}  # ml_dtypes' quiet NaN, sign apart
 
 
-def _normal_times_2_64(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(a * 2**64, True)`` where ``a`` is subnormal or zero, else ``(a, False)``; exact.
-
-    XLA:CPU flushes subnormal operands to zero, so the product is formed from
-    the bits: a subnormal's bits (sign apart) are its mantissa ``m``, and
-    ``a * 2**64 == m * 2**-85``, a normal float32 (a zero stays the same zero). The sign
-    is or-ed back into the bits: fewer operations per element than a selection.
-    """
-    b = bits(a)
-    m = b & _I32(0x7FFFFFFF)
-    up = from_bits(bits(m.astype(_F32) * _F32(2.0**-85)) | (b & _I32(-(2**31))))
-    sub = m < 0x00800000
-    return jnp.where(sub, up, a), sub
+def _corrected(plain):
+    """The quotient of ``plain`` corrected in float32 (backends without float64)."""
+    return lambda x, s: nan_propagated(x, s, correct_quotient(x, s, plain(x, s)))
 
 
-def scale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(s, f)``: ``scale == s * f`` exactly, ``s`` normal (or 0, inf, NaN), ``f`` 1 or ``2**-64``.
-
-    ``v * scale`` computed as ``(v * s) * f`` is rounded once, as the product
-    itself, even where XLA:CPU would read a subnormal ``scale`` as zero (the
-    product is flushed to zero only where it is itself below ``2**-126``).
-    Computed on the scale's own (small) shape, before it is broadcast.
-
-    Example:
-      >>> import numpy as np
-      >>> s, f = scale_factors(jnp.float32(1e-40))
-      >>> float(f)
-      5.421010862427522e-20
-      >>> bool(jnp.float32(3e4) * s * f == np.float32(3e4) * np.float32(1e-40))  # not 0
-      True
-    """
-    s, sub = _normal_times_2_64(jnp.asarray(scale, _F32))
-    return s, jnp.where(sub, _F32(2.0**-64), _F32(1))
-
-
-def _plain_division(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x / scale`` by the division instruction, subnormal operands scaled up by ``2**64``.
-
-    The selection in the divisor keeps XLA from rewriting ``x / broadcast(s)``
-    as ``x * (1 / s)``. A quotient that ends below ``2**-126`` is flushed to
-    zero, which changes no code of any format (the smallest nonzero code
-    magnitude of every format is ``2**-17`` or more).
-    """
-    scale, s_sub = _normal_times_2_64(scale)
-    return _division_by_normal(x, scale) * jnp.where(s_sub, _F32(2.0**64), _F32(1))
-
-
-def _division_by_normal(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """`_plain_division` for a ``scale`` that holds no subnormal: about 15% less work per
-    element (XLA computes a broadcast scale's terms again for every element)."""
-    x, x_sub = _normal_times_2_64(x)
-    return x / jnp.where(x == x, scale, _F32(1)) * jnp.where(x_sub, _F32(2.0**-64), _F32(1))
-
-
-def _corrected_division(x: jax.Array, scale: jax.Array) -> jax.Array:
-    return nan_propagated(x, scale, correct_quotient(x, scale, _plain_division(x, scale)))
-
-
-def _corrected_division_by_normal(x: jax.Array, scale: jax.Array) -> jax.Array:
-    return nan_propagated(x, scale, correct_quotient(x, scale, _division_by_normal(x, scale)))
-
-
+_corrected_division = _corrected(_plain_division)
 def _wide_division(x: jax.Array, scale: jax.Array) -> jax.Array:
     return nan_propagated(x, scale, wide_divide(x, scale))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
-def divide(x: jax.Array, scale: jax.Array, normal_scale: bool = False) -> jax.Array:
+def divide(x: jax.Array, scale: jax.Array, scale_kind: str = "any") -> jax.Array:
     """The correctly rounded float32 quotient ``x / scale``, elementwise, on every backend.
 
     On CPU this is the hardware division (correctly rounded); on GPUs a
@@ -163,9 +105,9 @@ def divide(x: jax.Array, scale: jax.Array, normal_scale: bool = False) -> jax.Ar
     Args:
       x: float32 array.
       scale: float32 array broadcastable to ``x`` (typically a broadcast scale).
-      normal_scale: the caller guarantees that ``scale`` holds no subnormal number
-        (computed scales are at least ``2**-126``, 1, inf or NaN): the CPU skips
-        their rescaling. A subnormal scale then reads as zero.
+      scale_kind: what the caller guarantees about ``scale``, for the CPU's sake:
+        ``"any"``, or ``"normal"``: no subnormal number (computed scales are at
+        least ``2**-126``, 1, inf or NaN), whose rescaling is skipped.
 
     Returns:
       ``x / scale`` rounded once, to nearest even, as IEEE 754 requires.
@@ -177,17 +119,16 @@ def divide(x: jax.Array, scale: jax.Array, normal_scale: bool = False) -> jax.Ar
       True
     """
     x, scale = jnp.asarray(x, _F32), jnp.asarray(scale, _F32)
-    plain, corrected = ((_division_by_normal, _corrected_division_by_normal) if normal_scale
-                        else (_plain_division, _corrected_division))
+    plain = CPU_DIVISIONS[scale_kind]
     return lax.platform_dependent(x, scale, cpu=plain, cuda=_wide_division,
-                                  rocm=_wide_division, default=corrected)
+                                  rocm=_wide_division, default=_corrected(plain))
 
 
 @divide.defjvp
-def _divide_jvp(normal_scale, primals, tangents):
+def _divide_jvp(scale_kind, primals, tangents):
     x, scale = primals
     dx, ds = tangents
-    q = divide(x, scale, normal_scale)
+    q = divide(x, scale, scale_kind)
     return q, (dx - q * ds) / scale
 
 
@@ -223,19 +164,19 @@ def signed_nan_codes(t: jax.Array, codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(b, codes.dtype)
 
 
-def quotient(x: jax.Array, scale: jax.Array, fmt: Format, normal_scale: bool = False
+def quotient(x: jax.Array, scale: jax.Array, fmt: Format, scale_kind: str = "any"
              ) -> jax.Array:
     """``x / scale`` as ``fmt`` defines it: correctly rounded (`divide`), or, for
     bitsandbytes' codebooks (NF4, FP4), ``x * (1 / scale)`` as bitsandbytes computes it
     (``vals * local_abs_max_inv``); the reciprocal is a per-group constant, so XLA fuses
     the product into the code search instead of writing the quotients out. Scales above
     ``2**100`` take the reciprocal of ``scale * 2**-64`` and ``x * 2**-64`` (both exact):
-    a subnormal ``1 / scale`` would be flushed to zero on XLA:CPU. ``normal_scale``: as for
+    a subnormal ``1 / scale`` would be flushed to zero on XLA:CPU. ``scale_kind``: as for
     `divide`."""
     if fmt.is_codebook and fmt.ties == "down":
         c = jnp.where(scale > _F32(2.0**100), _F32(2.0**-64), _F32(1))
         return (x * c) * divide(jnp.ones((), jnp.float32), scale * c)
-    return divide(x, scale, normal_scale)
+    return divide(x, scale, scale_kind)
 
 
 def exponent(a: jax.Array) -> jax.Array:

@@ -151,27 +151,35 @@ def test_subnormal_inputs_and_scales_match_onnx(fmt, scale):
 
 
 @pytest.mark.parametrize("fmt", ["int8", "float8_e5m2"])
-def test_subnormal_inputs_with_computed_scales_match_onnx(fmt):
+@pytest.mark.parametrize("smallest_max", [2.0**-126, 1.0], ids=["tiny-scales", "large-scales"])
+def test_subnormal_inputs_with_computed_scales_match_onnx(fmt, smallest_max):
     """Computed scales are never subnormal (the division skips their rescaling); the
     subnormal inputs of their groups still quantize as ONNX does, in quantize, fake_quant and
     the dynamic int8 activations of qdot_general."""
-    x = _with_subnormals(np.random.default_rng(11))[:800].reshape(8, 100)
-    # the groups' maxima: normal (a group of subnormals alone reads as zeros, scale 1)
-    x[:6, 0] = np.float32(2.0**-126) * np.float32([1, 3, 100, 2**20, 1.5, 1])
     dt = np_dtype(fmt)
     qmax = np.float64(ml_dtypes.finfo(dt).max if fmt.startswith("float") else 127)
+    columns = 100
+    x = _with_subnormals(np.random.default_rng(11))[:8 * columns].reshape(8, columns)
+    # the groups' maxima: normal (a group of subnormals alone reads as zeros, scale 1)
+    ratios = np.float32([1, 3, 100, 2**20, 1.5, 1, 2, 4])
+    x[:, 0] = np.float32(smallest_max) * ratios * (np.float32(qmax) if smallest_max > 2.0**-126
+                                                   else 1)
+    x[7, 1] = np.float32(2.0**-126) - np.float32(2.0**-149)  # the largest subnormal
     amax = np.abs(x).max(axis=1, keepdims=True).astype(np.float64)
     want_s = np.maximum(amax / qmax, 2.0**-126).astype(np.float32)  # every group has a max
+    assert (want_s.min() >= 2.0**-100) == (smallest_max == 1)
     qt = jq.quantize(jnp.asarray(x), dtype=dt, axis=0)
     np.testing.assert_array_equal(np.asarray(qt.scale)[:, None], want_s)
     for i in range(8):
         want = onnx_run("QuantizeLinear", {"x": x[i], "s": want_s[i, 0],
                                            "z": np.zeros((), dt)})
         assert_same_bits(np.asarray(qt.qvalue)[i], want, f"codes of group {i}")
+    assert_same_bits(np.asarray(jax.vmap(lambda r: jq.quantize(r, dtype=dt).qvalue)(x)),
+                     np.asarray(qt.qvalue), "vmapped codes")
     fake = np.asarray(jq.fake_quant(jnp.asarray(x), dtype=dt, axis=0))
     assert_same_bits(fake, np.asarray(jq.dequantize(qt)), "fake_quant")
     if fmt == "int8":  # per-token activation codes: the same groups, summed against ones
-        out = jq.qdot_general(jnp.asarray(x), jq.quantize(jnp.ones((100, 1)), axis=1),
+        out = jq.qdot_general(jnp.asarray(x), jq.quantize(jnp.ones((columns, 1)), axis=1),
                               (((1,), (0,)), ((), ())), act_quant=jq.ActQuant())
         codes = np.asarray(qt.qvalue, np.int64).sum(axis=1, keepdims=True)
         np.testing.assert_allclose(np.asarray(out), codes * want_s, rtol=2e-7)

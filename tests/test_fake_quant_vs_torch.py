@@ -242,7 +242,7 @@ def test_lsq_gradients_at_tiny_scales_match_torch(log2_scale):
 
 def test_lsq_gradients_at_subnormal_scales_are_finite():
     # A subnormal scale (a learned scale that decays): the forward value is rounded as the
-    # docstring of `jaxquant._rounding.scale_factors` says (products below 2**-126 flush to
+    # docstring of `jaxquant._cpu_division.scale_factors` says (products below 2**-126 flush to
     # zero), and the scale gradient is the formula's, not NaN. Torch's 1 / scale is inf
     # here, so the reference is float64.
     rng = np.random.default_rng(16)

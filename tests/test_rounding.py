@@ -178,10 +178,10 @@ def test_divide_reads_subnormal_operands_on_cpu():
     normal = np.abs(want) >= np.finfo(np.float32).tiny
     np.testing.assert_array_equal(u32(got[normal]), u32(want[normal]))
     np.testing.assert_array_equal(u32(got[~normal]), u32(np.copysign(np.float32(0), want[~normal])))
-    # normal_scale=True (computed scales): subnormal x still read from the bits
+    # scale_kind="normal" (computed scales): subnormal x still read from the bits
     s = np.where(np.abs(s) < np.finfo(np.float32).tiny, np.float32(2.0**-126), s)
     got = np.asarray(jax.jit(divide, static_argnums=2)(jax.device_put(x, cpu),
-                                                       jax.device_put(s, cpu), True))
+                                                       jax.device_put(s, cpu), "normal"))
     want = x / s
     normal = np.abs(want) >= np.finfo(np.float32).tiny
     assert normal.sum() >= 4
@@ -248,8 +248,8 @@ def division(request, monkeypatch):
     """The CPU's division, or (on the CPU) the float64 one `divide` lowers to on GPUs."""
     if request.param == "gpu":
         jax.clear_caches()  # programs traced with the CPU's division
-        monkeypatch.setattr(rounding, "_plain_division", rounding._wide_division)
-        monkeypatch.setattr(rounding, "_division_by_normal", rounding._wide_division)
+        for kind in rounding.CPU_DIVISIONS:  # by the scales' kind
+            monkeypatch.setitem(rounding.CPU_DIVISIONS, kind, rounding._wide_division)
     yield request.param
     if request.param == "gpu":
         jax.clear_caches()
