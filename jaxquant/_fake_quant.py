@@ -91,7 +91,7 @@ class _Config:
     saturate: bool
     grad_scale: bool
     float_zero_point: bool = False  # float4 with a (zero) zero point: -0.0 codes become +0.0
-    normal_scale: bool = False  # computed float32 scales: no subnormal (`_rounding.divide`)
+    scale_kind: str = "any"  # "normal": computed float32 scales, never subnormal (`divide`)
 
 
 def fake_quant(
@@ -188,7 +188,7 @@ def fake_quant(
     float_zp = given_zero_point and not fmt.is_integer and fmt.bits < 8
     # float4 has no inf or NaN: it clips whatever `saturate` says, and so does the STE
     config = _Config(fmt, layout, bool(saturate) or fmt.always_saturates, bool(lsq_grad_scale),
-                     float_zp, computed and options.plain)
+                     float_zp, "normal" if computed and options.plain else "any")
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
     if (computed and symmetric and fmt.is_integer and fmt.signed and zero_point is None
             and noise is None and options.plain):
@@ -202,7 +202,7 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     """(unclipped float codes, clipped float codes, rounded zero point or None, x / scale)."""
     fmt = config.fmt
     s = expand(scale, x.shape, config.layout)
-    t = quotient(x.astype(jnp.float32), s, fmt, "normal" if config.normal_scale else "any")
+    t = quotient(x.astype(jnp.float32), s, fmt, config.scale_kind)
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, t
     if not fmt.is_integer:
@@ -245,7 +245,7 @@ def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
 def _fake_quant(x, scale, zero_point, noise, config: _Config):
     _, q, zp, _ = _codes(x, scale, zero_point, noise, config)
     v = q if zp is None else q - zp
-    if config.normal_scale:  # `scale_factors` would give the scale itself and 1
+    if config.scale_kind == "normal":  # `scale_factors` would give the scale itself and 1
         out = (v * expand(scale, x.shape, config.layout)).astype(x.dtype)
     else:
         s, f = (expand(a, x.shape, config.layout) for a in scale_factors(scale))  # `dequantize`'s

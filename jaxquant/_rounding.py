@@ -87,7 +87,9 @@ def _corrected(plain):
     return lambda x, s: nan_propagated(x, s, correct_quotient(x, s, plain(x, s)))
 
 
-_corrected_division = _corrected(_plain_division)
+_corrected_division = _corrected(_plain_division)  # what TPUs get for any scale
+
+
 def _wide_division(x: jax.Array, scale: jax.Array) -> jax.Array:
     return nan_propagated(x, scale, wide_divide(x, scale))
 
