@@ -34,8 +34,8 @@ bytes per element). For weight-only dots that means unpacked sub-byte weights
 are widened to int8 in memory on each call there; packed weights (how int4 is
 stored for inference) and int8 or float8 weights keep their fused
 dequantization. XLA:CPU has none of these behaviours, so there the arrays pass
-straight through and fusion is untouched (``jax.lax.platform_dependent``
-picks the branch when the program is lowered).
+straight through and fusion is untouched (`jaxquant._platform_ops` picks the
+branch when the program is lowered).
 """
 
 from __future__ import annotations
@@ -47,14 +47,16 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jaxquant._platform_ops import platform_op
+
 __all__ = ["keep_rounding", "gemm_operand", "int_dot_general", "int_conv",
            "float_conv_sums"]
 
 _SUB_BYTE = tuple(jnp.dtype(t) for t in (jnp.int4, jnp.uint4, jnp.int2, jnp.uint2))
 
 
-def _barrier_off_cpu(x: jax.Array) -> jax.Array:
-    return lax.platform_dependent(x, cpu=lambda v: v, default=lax.optimization_barrier)
+_barrier_off_cpu = platform_op("jaxquant_barrier_off_cpu", like=0, identity_tangent=True,
+                               cpu=lambda v: v, default=lax.optimization_barrier)
 
 
 def keep_rounding(codes: jax.Array) -> jax.Array:

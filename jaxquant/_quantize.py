@@ -31,6 +31,7 @@ from jaxquant._granularity import (
     squeeze_tensor_scale,
 )
 from jaxquant._packing import PackedArray, pack_bits, pack_fields
+from jaxquant._platform_ops import platform_op
 from jaxquant._qtensor import (
     QTensor,
     check_consistent,
@@ -352,7 +353,6 @@ def dequantize_values(qt: QTensor) -> jax.Array:
     return apply_grouped(values, q, qt.layout, s, f, None if zp is None else zp.astype(jnp.float32))
 
 
-@jax.custom_jvp
 def _signed_nan(out: jax.Array, codes: jax.Array) -> jax.Array:
     """``out``, with each NaN the quiet NaN of ``out.dtype`` with its float8 code's sign.
 
@@ -367,9 +367,8 @@ def _signed_nan(out: jax.Array, codes: jax.Array) -> jax.Array:
     return lax.bitcast_convert_type(b, out.dtype)
 
 
-@_signed_nan.defjvp
-def _signed_nan_jvp(primals, tangents):  # the identity on every number: its tangent passes
-    return _signed_nan(*primals), tangents[0]
+_signed_nan_off_cpu = platform_op("jaxquant_signed_nan", like=0, identity_tangent=True,
+                                  cpu=lambda out, codes: out, default=_signed_nan)
 
 
 @functools.partial(jax.jit, static_argnames=("dtype",))
@@ -377,7 +376,7 @@ def _dequantize(qt, dtype):
     out = dequantize_values(qt).astype(dtype)
     codes = qt.qvalue
     if not isinstance(codes, PackedArray) and qt.format.name in NAN_CODES:
-        out = lax.platform_dependent(out, codes, cpu=lambda out, codes: out, default=_signed_nan)
+        out = _signed_nan_off_cpu(out, codes)
     # XLA:GPU would fold a bfloat16/float16 result cast back to float32 (a layer's promotion)
     # into the unrounded float32 one, as it would a fake-quantized value
     return keep_rounding(out) if out.dtype.itemsize < 4 else out

@@ -12,8 +12,9 @@ a plain ``jnp`` expression and that definition:
   2 ulps, and about 1 ulp off on a few quotients in a hundred).
 * Quantization is memory-bound: a fix must not cost a pass over memory.
 
-`divide` therefore picks, per backend, when the program is lowered
-(``jax.lax.platform_dependent``):
+`divide` therefore picks, per backend, when the program is lowered (a
+`jaxquant._platform_ops.platform_op`: only the branch of the platform lowered
+is traced):
 
 * CPU: the division instruction (``divps``), already correctly rounded, with a
   divisor XLA cannot prove is a broadcast (``where(x == x, s, 1)``; never
@@ -71,6 +72,7 @@ from jaxquant._corrected_division import (
 )
 from jaxquant._cpu_division import CPU_DIVISIONS, _plain_division
 from jaxquant._formats import Format
+from jaxquant._platform_ops import platform_op
 from jaxquant._wide_division import wide_divide
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
@@ -92,6 +94,14 @@ _corrected_division = _corrected(_plain_division)  # what TPUs get for any scale
 
 def _wide_division(x: jax.Array, scale: jax.Array) -> jax.Array:
     return nan_propagated(x, scale, wide_divide(x, scale))
+
+
+_divide_op = platform_op(
+    "jaxquant_divide", like=0,
+    cpu=lambda x, s, *, scale_kind: CPU_DIVISIONS[scale_kind](x, s),
+    cuda=lambda x, s, *, scale_kind: _wide_division(x, s),
+    rocm=lambda x, s, *, scale_kind: _wide_division(x, s),
+    default=lambda x, s, *, scale_kind: _corrected(CPU_DIVISIONS[scale_kind])(x, s))
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -121,9 +131,9 @@ def divide(x: jax.Array, scale: jax.Array, scale_kind: str = "any") -> jax.Array
       True
     """
     x, scale = jnp.asarray(x, _F32), jnp.asarray(scale, _F32)
-    plain = CPU_DIVISIONS[scale_kind]
-    return lax.platform_dependent(x, scale, cpu=plain, cuda=_wide_division,
-                                  rocm=_wide_division, default=_corrected(plain))
+    x = jnp.broadcast_to(x, jnp.broadcast_shapes(x.shape, scale.shape))
+    scale = lax.expand_dims(scale, tuple(range(x.ndim - scale.ndim)))
+    return _divide_op(x, scale, scale_kind=scale_kind)
 
 
 @divide.defjvp
@@ -164,6 +174,11 @@ def signed_nan_codes(t: jax.Array, codes: jax.Array) -> jax.Array:
     sign = (lax.bitcast_convert_type(t, _U32) >> 24).astype(jnp.uint8) & jnp.uint8(0x80)
     b = jnp.where(jnp.isnan(codes), sign | jnp.uint8(nan), b)
     return lax.bitcast_convert_type(b, codes.dtype)
+
+
+_signed_nan_codes_off_cpu = platform_op("jaxquant_signed_nan_codes", like=1,
+                                        identity_tangent=True, cpu=lambda t, codes: codes,
+                                        default=signed_nan_codes)
 
 
 def quotient(x: jax.Array, scale: jax.Array, fmt: Format, scale_kind: str = "any"
@@ -296,8 +311,7 @@ def round_to_codes(
         codes = keep_rounding(codes)
         if fmt.name not in NAN_CODES:
             return codes
-        return lax.platform_dependent(t, codes, cpu=lambda t, codes: codes,
-                                      default=lambda t, codes: signed_nan_codes(t, codes))
+        return _signed_nan_codes_off_cpu(t, codes)
     r = jnp.round(t) if noise is None else stochastic_int(t, noise)  # round half to even
     if fmt.bits <= 16:
         # Whenever r + zero_point lands inside [qmin, qmax], |r| < 2**17 and the
