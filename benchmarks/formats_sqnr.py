@@ -3,7 +3,7 @@
 Run from the repository root (either form)::
 
     python -m benchmarks.formats_sqnr
-    python benchmarks/formats_sqnr.py --weights random
+    python benchmarks/formats_sqnr.py --weights random --layers 1  # 6 of the 36 kernels
 
 The weights are the 36 two-dimensional Dense kernels of the pretrained
 ``all-MiniLM-L6-v2`` encoder (6 layers x query, key, value, attention output,
@@ -252,9 +252,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="MiniLM's kernels (auto: when installed) or random-normal ones")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"),
                    help="output folder (default benchmarks/results)")
+    p.add_argument("--layers", type=int, default=6, choices=range(1, 7),
+                   help="the kernels of the first N of the 6 layers (default all; the tests: 1)")
     args = p.parse_args(argv)
     wall = time.perf_counter()
     kernels, description = load_weights(args.weights)
+    layers = tuple(f"encoder/layer_{i}/" for i in range(args.layers))
+    kernels = {k: w for k, w in kernels.items() if k.startswith(layers)}
     rows = []
     for fmt in FORMATS:
         print(f"measuring {fmt.name}", file=sys.stderr)

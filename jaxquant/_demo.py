@@ -252,9 +252,12 @@ def run(steps: int = 1500, print_fn: Callable[[str], None] = print,
             if spec is None:
                 qparams, seconds = params, math.nan
             else:
-                convert = jax.jit(lambda p, rules=rules: jq.quantize_tree(p, rules))
                 if "GPTQ" in fmt:  # calibrated on 4096 training windows
-                    convert = jax.jit(lambda p, spec=spec: gptq_tree(p, grams, spec))
+                    # the Gram matrices as arguments: constants would be folded at compile time
+                    gptq = jax.jit(lambda p, g, spec=spec: gptq_tree(p, g, spec))
+                    convert = lambda p, gptq=gptq: gptq(p, grams)  # noqa: E731
+                else:
+                    convert = jax.jit(lambda p, rules=rules: jq.quantize_tree(p, rules))
                 qparams = convert(params)
                 seconds = median_time(lambda convert=convert: convert(params))
             snr, worst = sqnr_db(params, jq.dequantize_tree(qparams))

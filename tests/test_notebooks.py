@@ -3,7 +3,9 @@
 A notebook that needs an optional package says so in its metadata,
 ``metadata.jaxquant.requires = ["flax", ...]`` (importable module names); it is skipped,
 as `pytest.importorskip` would, when one of them is missing. Each notebook runs in a
-fresh kernel of this Python interpreter, in a temporary working directory.
+fresh kernel of this Python interpreter, in a temporary working directory, with
+``JAXQUANT_SMOKE_TEST=1``: a notebook that trains for long may then train for a few
+steps only (the committed outputs are those of the full run, `test_committed_notebook_is_executed`).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ def test_notebook_executes(path, tmp_path):
     client = nbclient.NotebookClient(nb, timeout=CELL_TIMEOUT_S, kernel_name="python3",
                                      resources={"metadata": {"path": str(tmp_path)}})
     try:
-        client.execute(env=full_speed_env())  # a training run: not compile-bound
+        client.execute(env=full_speed_env(JAXQUANT_SMOKE_TEST="1"))  # not compile-bound
     except nbclient.exceptions.CellExecutionError as e:
         message = re.sub(r"\x1b\[[0-9;]*m", "", str(e))  # the traceback is ANSI-coloured
         pytest.fail(f"{path.name}: {message}", pytrace=False)

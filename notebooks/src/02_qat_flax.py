@@ -9,6 +9,7 @@
 # kernels.
 
 # %%
+import os
 import time
 
 import flax.linen as nn
@@ -25,6 +26,8 @@ from jaxquant.flax import QuantConfig, nnx_qat, nnx_quantize, nnx_unused_rules, 
 
 train_bytes, val_bytes = load_corpus(max_bytes=1_000_000)
 CONTEXT, STEPS, BATCH = 16, 600, 128
+if os.environ.get("JAXQUANT_SMOKE_TEST"):  # the test suite only checks that the notebook runs
+    STEPS = 20
 print(f"{len(train_bytes):,} train / {len(val_bytes):,} validation bytes")
 
 
