@@ -8,7 +8,9 @@ back (a quotient below ``2**-126`` becomes zero, which changes no code of any
 format); `scale_factors` does the same for products with a subnormal scale
 (dequantization). What a caller knows about the scales spares work per
 element (`CPU_DIVISIONS`): computed scales are never subnormal (at least
-``2**-126``, 1, inf or NaN), so their rescaling is skipped.
+``2**-126``, 1, inf or NaN), so their rescaling is skipped, and a subnormal
+input is divided as its bits' value by the scale times ``2**126``: no product
+back.
 
 What is left, the rescaling of subnormal inputs, makes int8 quantization of a
 3072 x 768 array about a fifth slower than the same maths without it (2.1
@@ -79,11 +81,20 @@ def _plain_division(x: jax.Array, scale: jax.Array) -> jax.Array:
 
 
 def _division_by_normal(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """`_plain_division` for a ``scale`` that holds no subnormal: about 15% less work per
-    element (XLA computes a broadcast scale's terms again for every element)."""
-    x, x_sub = _normal_times_2_64(x)
-    q = x / jnp.where(x == x, scale, _F32(1))
-    return q * jnp.where(x_sub, _F32(2.0**-64), _F32(1))
+    """`_plain_division` for a ``scale`` that holds no subnormal, with fewer operations per
+    element (XLA computes a broadcast scale's terms again for every element).
+
+    A subnormal ``x``, ``m * 2**-149`` (``m`` its bits, sign apart), is divided as
+    ``m * 2**-23`` (normal, exact) by ``scale * 2**126`` (exact where finite; it
+    overflows only where ``|scale| >= 4``, whose quotient is below ``2**-126`` and
+    flushed to zero anyway). The selected divisor also keeps XLA from rewriting the
+    division as a product with ``1 / scale``.
+    """
+    b = bits(x)
+    m = b & _I32(0x7FFFFFFF)
+    sub = m < 0x00800000
+    up = from_bits(bits(m.astype(_F32) * _F32(2.0**-23)) | (b & _I32(-(2**31))))
+    return jnp.where(sub, up, x) / jnp.where(sub, scale * _F32(2.0**126), scale)
 
 
 CPU_DIVISIONS = {"any": _plain_division, "normal": _division_by_normal}
