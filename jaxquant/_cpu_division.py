@@ -2,15 +2,14 @@
 
 XLA:CPU reads float32 subnormals as zero and flushes subnormal results to zero
 (the x86 DAZ/FTZ modes). The division instruction itself is correctly rounded,
-so `jaxquant._rounding.divide` uses it on CPU, with the subnormal operands
-scaled by ``2**64`` from their bits first (exact) and the quotient multiplied
-back (a quotient below ``2**-126`` becomes zero, which changes no code of any
-format); `scale_factors` does the same for products with a subnormal scale
-(dequantization). What a caller knows about the scales spares work per
-element (`CPU_DIVISIONS`): computed scales are never subnormal (at least
-``2**-126``, 1, inf or NaN), so their rescaling is skipped, and a subnormal
-input is divided as its bits' value by the scale times ``2**126``: no product
-back.
+so `jaxquant._rounding.divide` uses it on CPU, with a subnormal ``x`` read from
+its bits (``x * 2**126``, exact) and divided by ``scale * 2**126``, and a
+subnormal ``scale`` scaled by ``2**64`` from its bits and the quotient
+multiplied back (a quotient below ``2**-126`` becomes zero, which changes no
+code of any format); `scale_factors` does the same for products with a
+subnormal scale (dequantization). What a caller knows about the scales spares
+work per element (`CPU_DIVISIONS`): computed scales are never subnormal (at
+least ``2**-126``, 1, inf or NaN), so their rescaling is skipped.
 
 What is left, the rescaling of subnormal inputs, makes int8 quantization of a
 3072 x 768 array about a fifth slower than the same maths without it (2.1
@@ -69,7 +68,8 @@ def scale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
 
 
 def _plain_division(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x / scale`` by the division instruction, subnormal operands scaled up by ``2**64``.
+    """``x / scale`` by the division instruction, a subnormal ``scale`` scaled up by
+    ``2**64`` (the quotient multiplied back), a subnormal ``x`` as `_division_by_normal`.
 
     The selection in the divisor keeps XLA from rewriting ``x / broadcast(s)``
     as ``x * (1 / s)``. A quotient that ends below ``2**-126`` is flushed to

@@ -17,9 +17,9 @@ a plain ``jnp`` expression and that definition:
 is traced):
 
 * CPU: the division instruction (``divps``), already correctly rounded, with a
-  divisor XLA cannot prove is a broadcast (``where(x == x, s, 1)``; never
-  changes a value), which stops the reciprocal rewrite. Memory-bound, as a
-  plain ``x / s``.
+  divisor XLA cannot prove is a broadcast (selected per element: ``s``, or
+  ``s * 2**126`` for a subnormal ``x``, `jaxquant._cpu_division`), which stops
+  the reciprocal rewrite. Memory-bound, as a plain ``x / s``.
 * GPUs (CUDA, ROCm): the quotient computed in float64 and rounded to float32
   (`jaxquant._wide_division`): a float64 quotient within a few float64 ulps
   is on the right side of every float32 rounding midpoint, so neither the
