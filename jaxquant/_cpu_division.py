@@ -32,17 +32,18 @@ __all__ = ["CPU_DIVISIONS", "scale_factors"]
 _F32, _I32 = jnp.float32, jnp.int32
 
 
-def _normal_times_2_64(a: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(a * 2**64, True)`` where ``a`` is subnormal or zero, else ``(a, False)``; exact.
+def _subnormal_scaled_up(a: jax.Array, power: int = 64) -> tuple[jax.Array, jax.Array]:
+    """``(a * 2**power, True)`` where ``a`` is subnormal or zero, else ``(a, False)``; exact.
 
     XLA:CPU flushes subnormal operands to zero, so the product is formed from
     the bits: a subnormal's bits (sign apart) are its mantissa ``m``, and
-    ``a * 2**64 == m * 2**-85``, a normal float32 (a zero stays the same zero). The sign
-    is or-ed back into the bits: fewer operations per element than a selection.
+    ``a * 2**power == m * 2**(power - 149)``, a normal float32 for ``power`` in
+    ``[23, 126]`` (a zero stays the same zero). The sign is or-ed back into the
+    bits: fewer operations per element than a selection.
     """
     b = bits(a)
     m = b & _I32(0x7FFFFFFF)
-    up = from_bits(bits(m.astype(_F32) * _F32(2.0**-85)) | (b & _I32(-(2**31))))
+    up = from_bits(bits(m.astype(_F32) * _F32(2.0**(power - 149))) | (b & _I32(-(2**31))))
     sub = m < 0x00800000
     return jnp.where(sub, up, a), sub
 
@@ -63,7 +64,7 @@ def scale_factors(scale: jax.Array) -> tuple[jax.Array, jax.Array]:
       >>> bool(jnp.float32(3e4) * s * f == np.float32(3e4) * np.float32(1e-40))  # not 0
       True
     """
-    s, sub = _normal_times_2_64(jnp.asarray(scale, _F32))
+    s, sub = _subnormal_scaled_up(jnp.asarray(scale, _F32))
     return s, jnp.where(sub, _F32(2.0**-64), _F32(1))
 
 
@@ -76,7 +77,7 @@ def _plain_division(x: jax.Array, scale: jax.Array) -> jax.Array:
     zero, which changes no code of any format (the smallest nonzero code
     magnitude of every format is ``2**-17`` or more).
     """
-    scale, s_sub = _normal_times_2_64(scale)
+    scale, s_sub = _subnormal_scaled_up(scale)
     return _division_by_normal(x, scale) * jnp.where(s_sub, _F32(2.0**64), _F32(1))
 
 
@@ -90,11 +91,8 @@ def _division_by_normal(x: jax.Array, scale: jax.Array) -> jax.Array:
     flushed to zero anyway). The selected divisor also keeps XLA from rewriting the
     division as a product with ``1 / scale``.
     """
-    b = bits(x)
-    m = b & _I32(0x7FFFFFFF)
-    sub = m < 0x00800000
-    up = from_bits(bits(m.astype(_F32) * _F32(2.0**-23)) | (b & _I32(-(2**31))))
-    return jnp.where(sub, up, x) / jnp.where(sub, scale * _F32(2.0**126), scale)
+    x, sub = _subnormal_scaled_up(x, power=126)
+    return x / jnp.where(sub, scale * _F32(2.0**126), scale)
 
 
 CPU_DIVISIONS = {"any": _plain_division, "normal": _division_by_normal}
