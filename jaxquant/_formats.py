@@ -231,10 +231,11 @@ def value_dtype(dtype, argname: str = "dtype") -> np.dtype:
         got = as_dtype(dtype, argname)  # None refused: np.dtype(None) would be float64
     except TypeError:
         got = None
+    if got is not None and got.name in ("float6_e2m3fn", "float6_e3m2fn"):  # before the
+        # floating check, which counts float6 as floating on jax 0.10.2, not on 0.10.0
+        raise TypeError(f"{argname} must be a float dtype XLA computes in, got {got.name} "
+                        "(float6 is a code format only: dequantize to float32 or bfloat16).")
     if got is None or not jnp.issubdtype(got, jnp.floating):
         shown = repr(dtype) if got is None else got
         raise TypeError(f"{argname} must be a float dtype, got {shown}.")
-    if got.name in ("float6_e2m3fn", "float6_e3m2fn"):
-        raise TypeError(f"{argname} must be a float dtype XLA computes in, got {got.name} "
-                        "(float6 is a code format only: dequantize to float32 or bfloat16).")
     return got

@@ -248,6 +248,27 @@ def test_readme_setup_commands_match_pyproject_and_ci():
     assert [ln for ln in README.splitlines() if re.search(ci_pattern, ln)][0] == test
 
 
+def test_readme_requirements_are_the_pyproject_floors():
+    """The README's "Requirements" paragraph gives each package's floor as pyproject.toml
+    does (and no other), so that the floors the suite was run at are the ones pip enforces."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    floors = {}
+    for spec in project["dependencies"] + sum(project["optional-dependencies"].values(), []):
+        m = re.fullmatch(r"([\w-]+)(?:\[[\w,]+\])?>=([\d.]+)", spec)
+        if m:
+            assert floors.setdefault(m.group(1), m.group(2)) == m.group(2), spec  # one floor
+    paragraph = re.search(r"\nRequirements: (.*?)\n\n", README, re.DOTALL).group(1)
+    paragraph = " ".join(paragraph.split())
+    named = {"jax": "jax and jaxlib", "jaxlib": "jax and jaxlib", "ml_dtypes": "ml_dtypes",
+             "flax": "flax", "safetensors": "safetensors"}
+    for package, words in named.items():
+        assert f"{words} {floors[package]} or later" in paragraph, (package, floors[package])
+    assert f"numpy {floors['numpy'].removesuffix('.0')}" in paragraph, floors["numpy"]
+    assert f"Python {project['requires-python'].removeprefix('>=')} or later" in paragraph
+
+
 def test_readme_extras_exist():
     import tomllib
 
