@@ -40,7 +40,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
-from jax.extend.mlir import ir
 from jax.extend.mlir.dialects import stablehlo
 from jax.interpreters import batching, mlir
 
@@ -94,13 +93,13 @@ def _impl(*args):  # eager calls: compiled once per shape, like any jax.numpy op
 
 
 def _lowering(ctx, template, x, scale):
-    (aval,) = ctx.avals_out  # float32 (checked by `wide_divide`), a static shape
-    wide = ir.RankedTensorType.get(aval.shape, ir.F64Type.get())
+    (aval,) = ctx.avals_out
+    wide = mlir.aval_to_ir_type(ctx.module_context, aval.update(dtype=_F64))
     x, scale = stablehlo.convert(wide, x), stablehlo.convert(wide, scale)
     # Both operands doubled (exact in float64), so that no ``convert(divide(convert(x),
     # convert(s)))`` is left for a compiler to shrink into a float32 division.
     quotient = stablehlo.divide(stablehlo.add(x, x), stablehlo.add(scale, scale))
-    return [stablehlo.convert(ir.RankedTensorType.get(aval.shape, ir.F32Type.get()), quotient)]
+    return [stablehlo.convert(mlir.aval_to_ir_type(ctx.module_context, aval), quotient)]
 
 
 def _batch(args, dims):

@@ -22,6 +22,7 @@ from host_mesh import host_mesh
 from jax.sharding import PartitionSpec as P
 from jaxpr_utils import lowered_text
 
+import jaxquant as jq
 import jaxquant._rounding as rounding
 from jaxquant._wide_division import wide_divide
 
@@ -132,6 +133,19 @@ def test_divide_lowers_to_a_float64_division_on_gpus_only():
     assert "xf64>" not in cpu and mantissa_mask not in cpu
     exported = jax.export.export(jax.jit(rounding.divide), platforms=("cpu", "cuda"))(x, s)
     np.testing.assert_array_equal(exported.call(x, s), np.ones((8, 16), np.float32))
+
+
+def test_shape_polymorphic_export_for_gpus_and_cpu():
+    """A symbolic batch dimension lowers through the float64 division (its MLIR types
+    have a dynamic dimension) and the exported codes run on any batch size."""
+    (b,) = jax.export.symbolic_shape("b")
+    fn = jax.jit(lambda x: jq.quantize(x, jnp.float32(0.1)).qvalue)
+    exported = jax.export.export(fn, platforms=("cuda", "rocm", "cpu"))(
+        jax.ShapeDtypeStruct((b, 8), jnp.float32))
+    assert "tensor<?x8xf64>" in exported.mlir_module()
+    x = np.float32([[0.05, 0.15, -0.25, 1.0, 12.7, 12.75, -12.85, 0.0]] * 3)
+    np.testing.assert_array_equal(exported.call(x), fn(x))
+    np.testing.assert_array_equal(exported.call(x[:1]), fn(x[:1]))
 
 
 def test_the_float64_division_is_not_of_bare_conversions():
