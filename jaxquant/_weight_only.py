@@ -34,7 +34,8 @@ weight then never exists whole, and each chunk is still in cache when its dot
 reads it. For four 1024 x 1024 layers at batch 32 this took weight-only int8
 from 1.2-1.3x to 0.95-1.0x the float model's time (temporaries 16 -> 2.3 MiB),
 four 4096 x 4096 layers from 1.3x to 0.65x; with many rows (compute-bound
-dots) or one row and a small weight, chunks cost more than they save.
+dots) or one row and a small weight, chunks cost more than they save. A row count
+unknown when the dot is traced (a symbolic batch under ``jax.export``) is not streamed.
 """
 
 from __future__ import annotations
@@ -299,7 +300,8 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
             free = math.prod(n for d, n in enumerate(other.shape)
                              if d not in contract[1 - i] and d not in batch[1 - i])
             rows = None if _is_q(other) or out_sharding is not None \
-                else stream_rows((lhs, rhs)[i], contract[i], batch[i], free)
+                or not isinstance(free, int) \
+                else stream_rows((lhs, rhs)[i], contract[i], batch[i], free)  # not symbolic
             if rows:
                 return streamed(lhs, rhs, i, rows)
         return scheduled(dot, lhs, rhs)

@@ -157,3 +157,20 @@ class TestSmallChunks:
         ref = jax.grad(lambda x: jnp.sum(jnp.sin(x @ jq.dequantize(qt))))(x)
         np.testing.assert_allclose(np.asarray(g), np.asarray(ref), rtol=1e-4,
                                    atol=1e-5 * float(jnp.abs(ref).max()))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_symbolic_batch_is_not_streamed_and_exports(packed):
+    """`jax.export` with a symbolic batch: the row count is unknown when the dot is traced,
+    so the weight is dequantized whole (streaming compares the rows with its limits); the
+    exported dot runs on batches below, inside and above the streamed range."""
+    rng = np.random.default_rng(5)
+    qt = jq.quantize(rng.standard_normal((1024, 512), np.float32), dtype=jnp.int4, axis=0,
+                     block_size=32, packed=packed)
+    (b,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(jax.jit(lambda x: qdot_general(x, qt, DN)), platforms=("cpu",))(
+        jax.ShapeDtypeStruct((b, 1024), jnp.float32))
+    for rows in (1, 32, 300):
+        x = rng.standard_normal((rows, 1024)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(exported.call(x)), _reference(x, qt, DN),
+                                   rtol=1e-5, atol=1e-4)
