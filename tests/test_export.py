@@ -1,0 +1,46 @@
+"""`jax.export` of the public functions with a symbolic batch dimension, for CPU and CUDA at
+once (each platform lowers its own division), called on this CPU: the same result as the
+jitted function at two batch sizes."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxquant as jq
+
+DN = (((1,), (0,)), ((), ()))  # x (batch, in) . w (in, out)
+_W = np.random.default_rng(1).standard_normal((64, 32)).astype(np.float32)
+
+CASES = {
+    "quantize per tensor": lambda x: jq.quantize(x).qvalue,
+    "quantize per column": lambda x: jq.quantize(x, axis=1).qvalue,
+    "quantize per row": lambda x: jq.quantize(x, axis=0, symmetric=False).qvalue,
+    "quantize int4 blocks": lambda x: jq.quantize(x, dtype=jnp.int4, axis=1, block_size=32).qvalue,
+    "quantize float8": lambda x: jq.quantize(x, dtype=jnp.float8_e4m3fn, axis=1).qvalue,
+    "dequantize": lambda x: jq.dequantize(jq.quantize(x, axis=1)),
+    "fake_quant gradient": lambda x: jax.grad(lambda x: jnp.sum(jnp.sin(jq.fake_quant(x, axis=1))))(x),
+    "weight-only int8 dot": lambda x: jq.qdot_general(x, jq.quantize(_W, axis=1), DN),
+    "weight-only packed int4 dot": lambda x: jq.qdot_general(
+        x, jq.quantize(_W, dtype=jnp.int4, axis=0, block_size=32, packed=True), DN),
+    "int8 x int8 dot": lambda x: jq.QDotGeneral(act_quant=jq.ActQuant())(
+        x, jq.quantize(_W, axis=1), DN),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_symbolic_batch_exports_for_cpu_and_cuda(name):
+    fn = jax.jit(CASES[name])
+    (b,) = jax.export.symbolic_shape("b")
+    exported = jax.export.export(fn, platforms=("cpu", "cuda"))(
+        jax.ShapeDtypeStruct((b, 64), jnp.float32))
+    assert exported.platforms == ("cpu", "cuda")
+    rng = np.random.default_rng(0)
+    for rows in (1, 5):
+        x = rng.standard_normal((rows, 64)).astype(np.float32)
+        got, want = exported.call(x), fn(x)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
+                                      np.asarray(want).view(np.uint8))
