@@ -105,6 +105,8 @@ def stream_rows(qt, contract: tuple, batch: tuple, other_rows: int) -> int | Non
     twice the fewest chunks, else the fewest equal chunks and a shorter last one
     (a prime number of rows is not cut into single rows).
     """
+    if not isinstance(other_rows, int):  # symbolic (jax.export): cannot be compared
+        return None
     if not _is_q(qt) or 0 not in contract or batch or _is_q(qt.scale) \
             or qt.layout.kind == "tile" or other_rows > STREAM_MAX_ROWS:
         return None
@@ -300,8 +302,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
             free = math.prod(n for d, n in enumerate(other.shape)
                              if d not in contract[1 - i] and d not in batch[1 - i])
             rows = None if _is_q(other) or out_sharding is not None \
-                or not isinstance(free, int) \
-                else stream_rows((lhs, rhs)[i], contract[i], batch[i], free)  # not symbolic
+                else stream_rows((lhs, rhs)[i], contract[i], batch[i], free)
             if rows:
                 return streamed(lhs, rhs, i, rows)
         return scheduled(dot, lhs, rhs)
