@@ -175,13 +175,26 @@ def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTe
     def row_values(row, s, z):
         return dequantize(quantize(row[None], s, z, axis=1, dtype=dtype))[0]
 
+    # Lazy batches of `lazy` rows, run by one loop (one traced body whatever ``k``): ``k`` is
+    # padded to whole batches with zero rows that couple to nothing (U's identity block),
+    # visited last, so that no real row sees them; their values and scales are dropped.
     lazy = _LAZY_ROWS if block_size is None else block_size * -(-_LAZY_ROWS // block_size)
-    ws, values = wf[perm], []
-    for i1 in range(0, k, lazy):
-        i2 = min(i1 + lazy, k)
-        u1, m = u[i1:i2, i1:i2], i2 - i1
+    lazy = min(lazy, k)  # a multiple of block_size either way, as k is
+    batches = -(-k // lazy)
+    pad = batches * lazy - k
+    ws = jnp.pad(wf[perm], ((0, pad), (0, 0)))
+    u = jnp.pad(u, ((0, pad), (0, pad))) + jnp.diag(jnp.arange(k + pad) >= k).astype(u.dtype)
+    perm = jnp.concatenate([perm, jnp.arange(k, k + pad, dtype=perm.dtype)])
+    if block_size is not None:  # the padded rows' own blocks
+        scales = jnp.pad(scales, ((0, pad // block_size), (0, 0)), constant_values=1)
+        zps = None if zps is None else jnp.pad(zps, ((0, pad // block_size), (0, 0)))
 
-        def step(r, carry, i1=i1, u1=u1, m=m):
+    def batch(b, carry):
+        ws, done, scales, zps = carry
+        i1 = b * lazy
+        u1 = lax.dynamic_slice(u, (i1, i1), (lazy, lazy))
+
+        def step(r, carry):
             w1, err, scales, zps = carry
             if dynamic:  # a block's scales from its rows as updated so far
                 def fresh(scales, zps):
@@ -199,16 +212,25 @@ def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTe
             row = w1[r]
             value = row_values(row, scales[g], None if zps is None else zps[g])
             e = (row - value) / u1[r, r]
-            later = (jnp.arange(m) > r).astype(jnp.float32) * u1[r]
+            later = (jnp.arange(lazy) > r).astype(jnp.float32) * u1[r]
             w1 = w1 - later[:, None] * e[None, :]
             return w1.at[r].set(value), err.at[r].set(e), scales, zps
 
         w1, err, scales, zps = lax.fori_loop(
-            0, m, step, (ws[i1:i2], jnp.zeros((m, n), jnp.float32), scales, zps))
-        values.append(w1)
-        if i2 < k:
-            ws = ws.at[i2:].add(-(u[i1:i2, i2:].T @ err))
-    q = jnp.concatenate(values)[jnp.argsort(perm)]
+            0, lazy, step, (lax.dynamic_slice_in_dim(ws, i1, lazy, axis=0),
+                            jnp.zeros((lazy, n), jnp.float32), scales, zps))
+        done = lax.dynamic_update_slice_in_dim(done, w1, i1, axis=0)
+        # The later rows' update (in float32 on every platform, not TF32). U is upper
+        # triangular: rows before the batch get zero; the batch's own rows are not read again.
+        ws = ws - jnp.matmul(lax.dynamic_slice_in_dim(u, i1, lazy, axis=0).T, err,
+                             precision=lax.Precision.HIGHEST)
+        return ws, done, scales, zps
+
+    _, q, scales, zps = lax.fori_loop(0, batches, batch, (ws, jnp.zeros_like(ws), scales, zps))
+    q = q[:k][jnp.argsort(perm[:k])]
+    if block_size is not None:
+        scales = scales[:k // block_size]
+        zps = None if zps is None else zps[:k // block_size]
     if block_size is None:
         qt = quantize(q, scales[0], None if zps is None else zps[0], axis=1, dtype=dtype)
     else:

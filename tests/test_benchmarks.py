@@ -138,6 +138,15 @@ def test_flax_integration(tmp_path):
     assert all(len(t) == 1 for t in report["seconds_per_round"].values())
 
 
+def test_gptq(tmp_path):
+    report = run_benchmark("gptq", "--widths", "256", "--rounds", "1", out=tmp_path)
+    assert [(r["width"], r["layout"]) for r in report["rows"]] == \
+        [(256, "int4 per-channel"), (256, "int4 block 128")]
+    for row in report["rows"]:  # GPTQ's codes reproduce the layer's outputs better
+        assert 0 < row["error_vs_round_to_nearest"] < 0.5, row
+        assert row["first_call_s"] > 0 and row["median_ms"] > 0, row
+
+
 def test_formats_sqnr(tmp_path):
     report = run_benchmark("formats_sqnr", "--weights", "random", "--layers", "1", out=tmp_path)
     formats = rows_by_name(report["formats"], "format")

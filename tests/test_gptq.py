@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jaxpr_utils import find_eqns
 
 import jaxquant as jq
 
@@ -115,6 +116,26 @@ def test_same_layout_as_quantize_and_usable_everywhere():
     per_channel = jq.gptq(w, x.T @ x)  # scales: quantize's own, per output channel
     np.testing.assert_array_equal(np.asarray(per_channel.scale),
                                   np.asarray(jq.quantize(w, axis=-1).scale))
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(axis=0, block_size=32),
+                                dict(axis=0, block_size=32, act_order=True)])
+def test_lazy_batches_are_one_loop_whatever_the_input_width(kw):
+    """The program does not grow with the rows (a loop over lazy batches, not one traced
+    copy per batch: compile time stays flat for wide layers), and the batch update is a
+    float32 product on every platform (not TF32, the GPU default)."""
+    def program(k):
+        w, h = jax.ShapeDtypeStruct((k, 8), jnp.float32), jax.ShapeDtypeStruct((k, k), jnp.float32)
+        return jax.make_jaxpr(lambda w, h: jq.gptq(w, h, dtype=jnp.int4, **kw))(w, h).jaxpr
+
+    def size(jaxpr):
+        return sum(1 + sum(size(sub) for sub in jax.extend.core.jaxprs_in_params(e.params))
+                   for e in jaxpr.eqns)
+
+    assert size(program(2048)) == size(program(256))  # 16 and 2 batches of 128 rows
+    assert size(program(1056)) == size(program(288))  # 9 and 3 batches, the last one padded
+    dots = list(find_eqns(program(256)))
+    assert dots and all(d.params["precision"] == (jax.lax.Precision.HIGHEST,) * 2 for d in dots)
 
 
 def test_inputs_never_seen_stay_finite():
