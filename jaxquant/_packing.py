@@ -115,10 +115,8 @@ def unpack_fields(packed: jax.Array, bits: int, length: int, axis: int) -> jax.A
     per = 8 // bits
     m = packed.shape[axis]
     if not (m - 1) * per < length <= m * per:
-        raise ValueError(
-            f"length {length} does not fit {m} packed bytes of {per} codes along axis {axis}; "
-            f"expected a length in ({(m - 1) * per}, {m * per}]."
-        )
+        raise ValueError(f"length {length} does not fit {m} packed bytes of {per} codes along axis "
+                         f"{axis}; expected a length in ({(m - 1) * per}, {m * per}].")
     shifts = _shifts(bits, packed.ndim + 1, axis + 1)
     u = (jnp.expand_dims(packed, axis + 1) >> shifts) & jnp.uint8((1 << bits) - 1)
     u = u.reshape(packed.shape[:axis] + (m * per,) + packed.shape[axis + 1:])
@@ -316,11 +314,9 @@ def check_packed(p: PackedArray, argname: str = "qvalue", hint: str = "") -> Non
 def _six_bit_fields(codes: jax.Array, name: str) -> jax.Array:
     """uint8 codebook ``codes`` checked (when concrete: a ValueError for codes of 64 or
     more, whose high bits would land in the neighbouring field) or masked (traced) to 6 bits."""
-    if not isinstance(codes, jax.core.Tracer) and codes.size:
-        top = int(jnp.max(codes))
-        if top >= 64:
-            raise ValueError(f"x: {name} codes are 6-bit indices (0 to 63), got a largest code "
-                             f"{top}; packed four in three bytes it would change its neighbour.")
+    if not isinstance(codes, jax.core.Tracer) and codes.size and (top := int(codes.max())) >= 64:
+        raise ValueError(f"x: {name} codes are 6-bit indices (0 to 63), got a largest code "
+                         f"{top}; packed four in three bytes it would change its neighbour.")
     return codes & jnp.uint8(63)  # traced: a code never spills into its neighbour's bits
 
 
