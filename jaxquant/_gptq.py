@@ -186,10 +186,12 @@ def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTe
     lazy = min(lazy, k)  # a multiple of block_size either way, as k is
     batches = -(-k // lazy)
     pad = batches * lazy - k
-    ws = jnp.pad(wf[perm], ((0, pad), (0, 0)))
-    u = jnp.pad(u, ((0, pad), (0, pad))) + jnp.diag(jnp.arange(k + pad) >= k).astype(u.dtype)
-    perm = jnp.concatenate([perm, jnp.arange(k, k + pad, dtype=perm.dtype)])
-    if block_size is not None:  # the padded rows' own blocks
+    ws = wf[perm]
+    if pad:
+        ws = jnp.pad(ws, ((0, pad), (0, 0)))
+        u = jnp.pad(u, ((0, pad), (0, pad))) + jnp.diag(jnp.arange(k + pad) >= k).astype(u.dtype)
+        perm = jnp.concatenate([perm, jnp.arange(k, k + pad, dtype=perm.dtype)])
+    if pad and block_size is not None:  # the padded rows' own blocks
         scales = jnp.pad(scales, ((0, pad // block_size), (0, 0)), constant_values=1)
         zps = None if zps is None else jnp.pad(zps, ((0, pad // block_size), (0, 0)))
 
