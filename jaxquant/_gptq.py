@@ -173,7 +173,6 @@ def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTe
     else:  # one row of scales per block; from w for act_order, else filled in on the way
         base = quantize(wf, axis=0, block_size=block_size, **kw)
         scales, zps = base.scale, base.zero_point
-    group = (lambda r: 0) if block_size is None else (lambda r: perm[r] // block_size)
     dynamic = block_size is not None and not act_order
 
     def row_values(row, s, z):
@@ -194,6 +193,8 @@ def _gptq(w, hessian, dtype: str, block_size, symmetric, damp, act_order) -> QTe
     if pad and block_size is not None:  # the padded rows' own blocks
         scales = jnp.pad(scales, ((0, pad // block_size), (0, 0)), constant_values=1)
         zps = None if zps is None else jnp.pad(zps, ((0, pad // block_size), (0, 0)))
+
+    group = (lambda r: 0) if block_size is None else (lambda r: perm[r] // block_size)
 
     def batch(b, carry):
         ws, done, scales, zps = carry
