@@ -24,8 +24,8 @@ from jaxquant._quantize import dequantize, quantize
 from jaxquant._report import LeafReport, format_report, quantization_report
 from jaxquant._scaled_matmul import scaled_matmul
 from jaxquant._schemes import SCHEMES, Scheme, format_name
+from jaxquant._spec import QuantSpec
 from jaxquant._tree import (
-    QuantSpec,
     dequantize_tree,
     match_rules,
     quantize_tree,

@@ -31,9 +31,12 @@ Rules, one ``--rules`` argument each, tried in order (the first whose REGEX
               | "dq"                     (double quantization of the scales)
               | "scale=" DTYPE           (float32, bfloat16, float16, float8_e8m0fnu, ...)
               | "round=" MODE            (e8m0 scales: floor, ceil or up_on_overflow)
+              | "stacked=" INT           (INT leading axes stack layers: scales per
+                                          layer, axis counted within one layer)
 
 Examples: ``int8``, ``int8:axis=0``, ``int4:block=32:packed``, ``float8_e4m3fn``,
-``nf4:packed:dq``, ``mxfp4:packed:round=ceil``, ``int8:tile=128x128``, ``none``.
+``nf4:packed:dq``, ``mxfp4:packed:round=ceil``, ``int8:tile=128x128``,
+``int8:stacked=1`` (a ``(layers, in, out)`` stack of kernels), ``none``.
 Without ``--rules``, every floating tensor of rank >= 2 becomes int8 with one
 scale per last-axis entry (`jaxquant.quantize_tree`'s default).
 PyTorch checkpoints store ``Linear`` weights as ``(out, in)``: ``axis=0`` gives
@@ -54,7 +57,7 @@ import sys
 
 from jaxquant import __version__
 from jaxquant._cli_rules import parse_rule, parse_spec, rule_warnings
-from jaxquant._tree import QuantSpec
+from jaxquant._spec import QuantSpec
 
 __all__ = ["main", "parse_spec", "parse_rule"]
 

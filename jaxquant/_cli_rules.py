@@ -12,7 +12,7 @@ from typing import Any
 
 from jaxquant._formats import CODEBOOKS, FORMATS
 from jaxquant._schemes import SCHEMES
-from jaxquant._tree import QuantSpec
+from jaxquant._spec import QuantSpec
 
 __all__ = ["parse_spec", "parse_rule", "rule_warnings"]
 
@@ -23,7 +23,7 @@ def parse_spec(text: str) -> QuantSpec | None:
     Args:
       text: ``none``, or a format name followed by ``:``-separated options
         ``axis=INT``, ``axis=none``, ``block=INT``, ``packed``, ``asym``,
-        ``nosaturate`` (see the module docstring).
+        ``nosaturate``, ``stacked=INT`` ... (see `jaxquant._cli`'s docstring).
 
     Returns:
       The spec, or ``None`` for ``none`` (the tensor is kept).
@@ -36,7 +36,8 @@ def parse_spec(text: str) -> QuantSpec | None:
     Example:
       >>> parse_spec("int4:axis=0:block=32:packed")
       QuantSpec(dtype=dtype(int4), axis=0, block_size=32, symmetric=True, saturate=True,
-                packed=True, scale_dtype=None, scale_rounding='floor', double_quant=False)
+                packed=True, scale_dtype=None, scale_rounding='floor', double_quant=False,
+                stacked=0)
       >>> parse_spec("nf4:packed:dq").double_quant
       True
       >>> parse_spec("int8:sym")  # doctest: +ELLIPSIS
@@ -73,6 +74,8 @@ def parse_spec(text: str) -> QuantSpec | None:
             kw["scale_dtype"] = value
         elif key == "round" and value:
             kw["scale_rounding"] = value
+        elif key == "stacked" and value:
+            kw["stacked"] = _int(value, opt, text)
         elif opt == "dq":
             kw["double_quant"] = True
         elif opt in ("packed", "asym", "nosaturate"):
@@ -82,15 +85,15 @@ def parse_spec(text: str) -> QuantSpec | None:
             hint = _did_you_mean(key if eq else opt, [*_VALUED, *_FLAGS])
             raise ValueError(f"unknown option {opt!r} in {text!r}; expected axis=INT, axis=none, "
                              f"block=INT, tile=INTxINT, packed, asym, nosaturate, dq, "
-                             f"scale=DTYPE or round=MODE{hint}.")
+                             f"scale=DTYPE, round=MODE or stacked=INT{hint}.")
     try:
         return QuantSpec(**kw)
     except (TypeError, ValueError) as e:
         raise ValueError(f"{text!r}: {e}") from e
 
 
-_VALUED = {"axis": "axis=0", "block": "block=32", "tile": "tile=128x128",
-           "scale": "scale=bfloat16", "round": "round=ceil"}  # options NAME=VALUE, an example
+_VALUED = {"axis": "axis=0", "block": "block=32", "tile": "tile=128x128",  # NAME=VALUE options,
+           "scale": "scale=bfloat16", "round": "round=ceil", "stacked": "stacked=1"}  # examples
 _FLAGS = ("packed", "asym", "nosaturate", "dq")
 
 

@@ -29,19 +29,16 @@ quotients ``x / s``, which it then writes out in full: one pass and 4x the
 bytes more per operand). Under ``vmap`` over the weight the predicate stays
 one scalar (`jaxquant._weight_only.moot_predicate`).
 
-``backward="int8"`` (SwitchBack, Wortsman et al., 2023, arXiv:2304.13013) also
-runs the gradient wrt ``lhs`` as an int8 dot: ``g . w_fq^T = (g * s_w) . codes^T``
-because the weight's scale ``s_w`` is constant along the forward contraction;
-``g * s_w`` is quantized to int8 per row (absmax / 127) and multiplied with the
-weight's codes. Its error against the STE gradient is at most
-``s_g / 2 * sum_n |codes_kn|`` per element (``s_g`` the row's scale), about 1%
-relative on random data. The weight gradient stays float: quantizing ``g``
-along the batch, the contraction of that dot, would put one outlier token's
-scale on every example.
+``backward="int8"`` (SwitchBack, Wortsman et al., 2023, arXiv:2304.13013) also runs the gradient
+wrt ``lhs`` as an int8 dot: ``g . w_fq^T = (g * s_w) . codes^T`` because the weight's scale ``s_w``
+is constant along the forward contraction; ``g * s_w`` is quantized to int8 per row (absmax / 127)
+and multiplied with the weight's codes. Its error against the STE gradient is at most ``s_g / 2 *
+sum_n |codes_kn|`` per element (``s_g`` the row's scale), about 1% relative on random data. The
+weight gradient stays float: quantizing ``g`` along the batch, the contraction of that dot, would
+put one outlier token's scale on every example.
 
-``fake=True`` runs the plain fake-quant graph instead (`jaxquant.fake_quant` on
-both operands, float dot, autodiff through fake_quant's STE): the same values
-and gradients, at float speed, for comparison.
+``fake=True`` runs the plain fake-quant graph instead (`jaxquant.fake_quant` on both operands,
+float dot, autodiff through its STE): the same values and gradients, at float speed.
 """
 
 from __future__ import annotations
@@ -79,7 +76,7 @@ from jaxquant._qtensor import is_qtensor
 from jaxquant._quantize import check_flags, quantize
 from jaxquant._rounding import divide, round_to_codes
 from jaxquant._scales import scale_from_range
-from jaxquant._tree import QuantSpec
+from jaxquant._spec import QuantSpec
 from jaxquant._weight_only import moot_predicate
 
 __all__ = ["QATDotGeneral", "qat_dot_general"]
@@ -232,6 +229,8 @@ def _check_weight(weight, rhs_ndim: int, rhs_contract: tuple) -> QuantSpec:
         raise ValueError(f"weight must have float32 scales per tensor, axis or block (the int8 "
                          f"dot scales its sums with them), got block_size={weight.block_size}, "
                          f"scale_dtype={weight.scale_dtype}, double_quant={weight.double_quant}.")
+    if weight.stacked:  # a stack of layers runs under jax.vmap / lax.scan
+        raise ValueError(f"weight must describe rhs itself (stacked=0), got {weight.stacked}.")
     if not weight.symmetric:
         raise ValueError("weight must be symmetric (symmetric=True): the int8 dot takes codes "
                          "without a zero point; got symmetric=False.")

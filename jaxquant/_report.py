@@ -24,7 +24,8 @@ from jaxquant._leaves import is_abstract, is_record, leaf_dtype, leaf_nbytes, st
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
 from jaxquant._schemes import format_name
-from jaxquant._tree import QuantSpec, path_str
+from jaxquant._spec import QuantSpec
+from jaxquant._tree import path_str
 
 __all__ = ["LeafReport", "quantization_report", "format_report"]
 
@@ -39,7 +40,8 @@ class LeafReport:
       format: the code format (``"int4(packed)"`` for packed codes), or ``"-"``
         for a leaf kept as it is.
       granularity: ``"per-tensor"``, ``"axis=1"``, ``"axis=0 block=32"``, or
-        ``"-"`` for a kept leaf.
+        ``"-"`` for a kept leaf; ``"stacked=1 axis=1"`` for a `QTensor` of stacked
+        layers (``QuantSpec(stacked=1)``), whose ``axis`` counts within one layer.
       dtype: the original dtype, that of the leaf of ``tree`` (described alone, a
         `QTensor`'s is the dtype it dequantizes to).
       nbytes_before: bytes of the original leaf.
@@ -81,12 +83,13 @@ class LeafReport:
         return self.format != "-"
 
 
-def _granularity(qt: QTensor) -> str:
+def _granularity(qt: QTensor, stacked: int) -> str:
+    layers = f"stacked={stacked} " if stacked else ""
     if isinstance(qt.block_size, tuple):
-        return "tiles=" + "x".join(map(str, qt.block_size))
+        return layers + "tiles=" + "x".join(map(str, qt.block_size))
     if qt.block_size:
-        return f"axis={qt.axis} block={qt.block_size}"
-    return "per-tensor" if qt.axis is None else f"axis={qt.axis}"
+        return layers + f"axis={qt.axis} block={qt.block_size}"
+    return layers + ("per-tensor" if qt.axis is None else f"axis={qt.axis}")
 
 
 def _scaled_square_sum(v: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -250,7 +253,8 @@ def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan,
          compared: bool = False, *, alone: bool = False) -> LeafReport:
     """The row of leaf ``q`` (``ref`` its original); ``alone``: no original was given."""
     if is_qtensor(q):
-        fmt, gran = format_name(q) + ("(packed)" if q.packed else ""), _granularity(q)
+        gran = _granularity(q, stacked_axes(q, f"qtree leaf {path!r}"))
+        fmt = format_name(q) + ("(packed)" if q.packed else "")
     else:
         fmt, gran = "-", "-"
     dtype = leaf_dtype(ref)  # the original's (alone, ref is q: a QTensor's float dtype)

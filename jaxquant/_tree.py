@@ -1,4 +1,4 @@
-"""Whole parameter trees: `QuantSpec` rules, `quantize_tree`, `dequantize_tree`.
+"""Whole parameter trees: rules of `QuantSpec`s, `quantize_tree`, `dequantize_tree`.
 
 A rule is a plain ``(pattern, spec)`` pair. Each leaf's path is its keys
 joined by ``/`` (``params/Dense_0/kernel``), matched with `re.search`; the
@@ -8,7 +8,6 @@ kept. Only floating-point leaves are ever quantized.
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import re
 from collections.abc import Iterable, Mapping, Sequence
@@ -16,137 +15,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.typing import DTypeLike
 
-from jaxquant._args import as_dtype
-from jaxquant._formats import CODEBOOKS, get_format
-from jaxquant._granularity import _is_int
 from jaxquant._leaves import is_abstract, is_record, leaf_nbytes, stacked_axes
 from jaxquant._progress import progress_bar
-from jaxquant._qtensor import QTensor, is_qtensor
-from jaxquant._quantize import check_flags, dequantize, quantize
-from jaxquant._scale_formats import scale_options
-from jaxquant._schemes import SCHEMES, resolve
+from jaxquant._qtensor import is_qtensor
+from jaxquant._quantize import dequantize
+from jaxquant._spec import QuantSpec
 
-__all__ = ["QuantSpec", "quantize_tree", "dequantize_tree", "path_str", "match_rules",
+__all__ = ["quantize_tree", "dequantize_tree", "path_str", "match_rules",
            "unused_rules", "is_record", "tree_nbytes"]
-
-
-@dataclasses.dataclass(frozen=True)
-class QuantSpec:
-    """How to quantize one array: a frozen, hashable record.
-
-    Attributes:
-      dtype: the format (see `jaxquant.FORMATS`), a codebook name (``"nf4"``,
-        ``"fp4"``, ``"float6_e2m3fn"``, ...) or a named composite format
-        (``"mxfp4"``, ``"nvfp4"``, ...: `jaxquant.SCHEMES`).
-      axis: the axis with its own scales (``-1``: the output features of a
-        ``(in, out)`` kernel); ``None`` for per-tensor.
-      block_size: split ``axis`` into blocks of this length (``None``: no
-        blocks), or a tuple of tile lengths, one per axis (``axis`` is then
-        not used).
-      symmetric: symmetric scales, or asymmetric with a zero point (integer
-        formats only).
-      saturate: float formats: clip to the largest finite value.
-      packed: store 2-, 4- and 6-bit codes packed (two int4 per byte) along the last axis.
-      scale_dtype: how scales are stored (``None``: float32; see `jaxquant.quantize`).
-      scale_rounding: ``float8_e8m0fnu`` scales: ``"floor"``, ``"ceil"`` or
-        ``"up_on_overflow"``.
-      double_quant: quantize the scales themselves to float8 (groups of 256).
-
-    Raises:
-      TypeError: unknown format or scale dtype; ``axis`` not an int or ``None``.
-      ValueError: ``block_size <= 0``, ``block_size`` without ``axis``, a block
-        length that contradicts a named format, ``packed`` for a wide format,
-        ``symmetric=False`` for a float or codebook format (only integer formats
-        have zero points).
-
-    Example:
-      >>> QuantSpec(dtype=jnp.int4, block_size=32)
-      QuantSpec(dtype=dtype(int4), axis=-1, block_size=32, symmetric=True,
-                saturate=True, packed=False, scale_dtype=None, scale_rounding='floor',
-                double_quant=False)
-      >>> QuantSpec(dtype="nf4", packed=True, double_quant=True)(jnp.ones((4, 128))).scale
-      QTensor(float8_e4m3fn[4, 2], tiles=(4, 2), scale[1, 1], dtype=float32)
-    """
-
-    dtype: DTypeLike | str = jnp.int8
-    axis: int | None = -1
-    block_size: int | tuple[int, ...] | None = None
-    symmetric: bool = True
-    saturate: bool = True
-    packed: bool = False
-    scale_dtype: DTypeLike | None = None
-    scale_rounding: str = "floor"
-    double_quant: bool = False
-
-    def __post_init__(self):
-        check_flags(symmetric=self.symmetric, saturate=self.saturate, packed=self.packed,
-                    double_quant=self.double_quant)
-        named = isinstance(self.dtype, str) and (self.dtype in SCHEMES or self.dtype in CODEBOOKS)
-        if not named:
-            object.__setattr__(self, "dtype", get_format(self.dtype).dtype)
-        if self.axis is not None and not _is_int(self.axis):
-            raise TypeError(f"axis must be an int or None, got {self.axis!r}.")
-        # NumPy integers as Python ints: the fields are static metadata, checked below
-        as_int = lambda v: int(v) if _is_int(v) else v  # noqa: E731
-        object.__setattr__(self, "axis", as_int(self.axis))
-        b = self.block_size
-        object.__setattr__(self, "block_size", tuple(map(as_int, b))
-                           if isinstance(b, list | tuple) else as_int(b))
-        if self.scale_dtype is not None:
-            object.__setattr__(self, "scale_dtype", as_dtype(self.scale_dtype, "scale_dtype"))
-        r = resolve(self.dtype, self.axis, self.block_size, self.scale_dtype)
-        if isinstance(r.block_size, tuple):
-            for b in r.block_size:
-                if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
-                    raise ValueError(f"block_size must hold positive integers, got "
-                                     f"{self.block_size!r}.")
-        elif r.block_size is not None:
-            if isinstance(r.block_size, bool) or not isinstance(r.block_size, int) \
-                    or r.block_size <= 0:
-                raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
-            if r.axis is None:
-                raise ValueError("block_size requires axis: the axis that is split into blocks.")
-        if self.packed and r.fmt.bits not in (2, 4, 6):
-            raise ValueError(f"packed=True needs a 2-, 4- or 6-bit format, got {r.fmt.name}.")
-        if not self.symmetric and not r.fmt.is_integer:
-            raise ValueError(f"symmetric=False needs an integer format (a zero point); "
-                             f"{r.fmt.name} is a {r.fmt.kind} format, which has none.")
-        scale_options(r.scale_dtype, self.scale_rounding, self.double_quant, self.symmetric)
-
-    def __call__(self, x: jax.Array) -> QTensor:
-        """Quantizes one array with this spec (scales computed from ``x``).
-
-        Args:
-          x: a float array.
-
-        Returns:
-          ``jaxquant.quantize(x, dtype=..., axis=..., ...)`` with this spec's fields.
-
-        Raises:
-          TypeError, ValueError: as `jaxquant.quantize` (non-float ``x``, ``axis``
-            out of range...).
-
-        Example:
-          >>> QuantSpec(axis=0)(jnp.array([[1.0, -2.0], [0.5, 0.25]])).scale
-          Array([0.01574803, 0.00393701], dtype=float32)
-        """
-        return quantize(x, packed=self.packed, **self.computed_kwargs())
-
-    def computed_kwargs(self) -> dict[str, Any]:
-        """The keyword arguments of `jaxquant.quantize` / `jaxquant.fake_quant` (computed
-        scales) that this spec stands for, ``packed`` apart.
-
-        Example:
-          >>> QuantSpec(dtype="nf4", double_quant=True).computed_kwargs()["double_quant"]
-          True
-        """
-        tiles = isinstance(self.block_size, tuple)
-        return dict(dtype=self.dtype, axis=None if tiles else self.axis,
-                    block_size=self.block_size, symmetric=self.symmetric,
-                    saturate=self.saturate, scale_dtype=self.scale_dtype,
-                    scale_rounding=self.scale_rounding, double_quant=self.double_quant)
 
 
 Rules = QuantSpec | Sequence[tuple[str, QuantSpec | None]] | None
@@ -389,7 +266,8 @@ def tree_nbytes(tree: Any) -> int:
       at their bit width, plus scales and zero points).
 
     Example:
-      >>> tree_nbytes({"w": jnp.ones((4, 8)), "q": quantize(jnp.ones((4, 8)), axis=1)})
+      >>> import jaxquant as jq
+      >>> tree_nbytes({"w": jnp.ones((4, 8)), "q": jq.quantize(jnp.ones((4, 8)), axis=1)})
       192
     """
     return sum(leaf_nbytes(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_record))

@@ -53,7 +53,7 @@ def test_help_says_how_out_is_replaced_and_what_the_exit_statuses_are(capsys):
     ("float8_e4m3", r"\(did you mean 'float8_e4m3fn'\?\)"),
     ("nf4:pakced", r"unknown option 'pakced' in 'nf4:pakced'; .* \(did you mean 'packed'\?\)"),
     ("int8:axs=0", r"unknown option 'axs=0' .* \(did you mean 'axis'\?\)"),
-    ("int8:zzz", r"or round=MODE\.$"),  # nothing close: no hint
+    ("int8:zzz", r"or stacked=INT\.$"),  # nothing close: no hint
     ("none:axis=0", r"'none:axis=0': 'none' \(keep the tensor\) takes no options, got 'axis=0'"),
     ("int8:axis=", r"'axis=' in 'int8:axis=' needs a value after '=', for example 'axis=0'"),
     ("int4:block=:packed", r"'block=' in 'int4:block=:packed' needs a value"),

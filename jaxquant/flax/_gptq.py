@@ -24,7 +24,7 @@ from jaxquant._gptq import gptq
 from jaxquant._packing import pack
 from jaxquant._qtensor import QTensor
 from jaxquant._schemes import SCHEMES
-from jaxquant._tree import QuantSpec
+from jaxquant._spec import QuantSpec
 from jaxquant.flax._rules import QuantConfig, layer_errors, select
 
 __all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "linen_input_grams",

@@ -22,7 +22,7 @@ from jaxquant._fake_quant import fake_quant
 from jaxquant._qtensor import QTensor
 from jaxquant._quantize import quantize
 from jaxquant._schemes import resolve
-from jaxquant._tree import QuantSpec
+from jaxquant._spec import QuantSpec
 from jaxquant.flax._rules import ActSpec, layer_errors
 
 __all__ = ["QATPromote", "QATDot", "QATEinsum", "einsum_contract", "explicit_einsum",

@@ -23,7 +23,7 @@ from jax.typing import DTypeLike
 from jaxquant._dot import ActQuant
 from jaxquant._formats import CODEBOOKS, get_format
 from jaxquant._schemes import resolve
-from jaxquant._tree import QuantSpec
+from jaxquant._spec import QuantSpec
 
 __all__ = ["ActSpec", "QuantConfig", "Rules", "check_rules", "layer_errors", "select", "unused"]
 
@@ -161,6 +161,10 @@ class QuantConfig:
         if not (self.weight is None or isinstance(self.weight, QuantSpec)):
             raise TypeError(f"QuantConfig.weight must be a jaxquant.QuantSpec or None, got "
                             f"{type(self.weight).__name__}.")
+        if self.weight is not None and self.weight.stacked:
+            raise ValueError(f"QuantConfig.weight must describe one layer's kernel (stacked=0): "
+                             f"the layers of nn.scan / nnx.scan / nnx.vmap get their own scales "
+                             f"already; got stacked={self.weight.stacked}.")
         if not (self.act is None or isinstance(self.act, ActSpec)):
             raise TypeError(f"QuantConfig.act must be an ActSpec or None, got "
                             f"{type(self.act).__name__}.")
