@@ -189,3 +189,31 @@ def test_command_line_quantizes_a_scanned_checkpoint_per_layer(tmp_path, capsys)
     assert _cli.main(["report", str(tmp_path / "out.safetensors")]) == 0
     row = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("layers.kernel"))
     assert "stacked=1 axis=0 block=16" in row
+
+
+def test_a_bare_tree_of_nn_scan_layers_gets_what_quantize_params_makes():
+    import flax.linen as nn
+
+    from jaxquant.flax.linen import quantize_linen
+
+    class Block(nn.Module):
+        @nn.compact
+        def __call__(self, x, _):
+            return nn.relu(nn.Dense(16)(x)), None
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            layers = nn.scan(Block, variable_axes={"params": 0},
+                             split_rngs={"params": True}, length=3)
+            return layers()(x, None)[0]
+
+    model, x = Model(), jnp.asarray(_kernels(3, 2, 16)[1])
+    params = model.init(jax.random.key(0), x)
+    qm = quantize_linen(model, [("", QuantConfig())])
+    by_model = qm.quantize_params(params, x)
+    by_rules = jq.quantize_tree(params, [("kernel", jq.QuantSpec(stacked=1))])
+    assert by_rules["params"]["ScanBlock_0"]["Dense_0"]["kernel"].scale.shape == (3, 16)
+    assert jax.tree.structure(by_rules) == jax.tree.structure(by_model)
+    assert _leaves_equal(by_rules, by_model)
+    np.testing.assert_array_equal(jax.jit(qm.apply)(by_rules, x), jax.jit(qm.apply)(by_model, x))
