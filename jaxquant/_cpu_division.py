@@ -74,8 +74,11 @@ def _plain_division(x: jax.Array, scale: jax.Array) -> jax.Array:
 
     The selection in the divisor keeps XLA from rewriting ``x / broadcast(s)``
     as ``x * (1 / s)``. A quotient that ends below ``2**-126`` is flushed to
-    zero, which changes no code of any format (the smallest nonzero code
-    magnitude of every format is ``2**-17`` or more).
+    zero, which changes no code's value in any format (the smallest nonzero code
+    magnitude of every format is ``2**-17`` or more). One sign differs: with a float4
+    zero point (all zeros, as ONNX allows), a negative quotient flushed to -0.0 is
+    taken for an exact -0.0, which adding the zero point makes +0.0, where ONNX keeps
+    the -0.0 code of its negative subnormal sum.
     """
     scale, s_sub = _subnormal_scaled_up(scale)
     return _division_by_normal(x, scale) * jnp.where(s_sub, _F32(2.0**64), _F32(1))

@@ -15,14 +15,15 @@ One module-level `jax.custom_vjp` carries both estimators:
     ``qmax - z`` above it;
   - ``d/dz = 0`` inside the range and ``-s`` outside it;
 
-  summed over each group that shares a scale. The in-range term is computed as
-  ``(q - z) - x / s`` (exact for integer codes) and ``d/dz`` as ``-s`` times the
-  group's sum, so scales near float32's smallest normal (where ``fq - x`` and
-  ``g * s`` are subnormal, flushed to zero by XLA:CPU) and subnormal scales get
-  the formula's gradients, not zeros or NaN. The zero point is rounded (and
-  clamped) in the forward pass and passed straight through in the backward
-  pass. ``lsq_grad_scale=True`` multiplies both by ``1 / sqrt(N * qmax)``, the
-  gradient scale of the LSQ paper (``N`` elements per scale).
+  summed over each group that shares a scale (an integer format's NaN ``x`` gets the
+  zero point's code, as in `jaxquant.quantize`: a value of 0 and no gradient at all).
+  The in-range term is computed as ``(q - z) - x / s`` (exact for integer codes) and
+  ``d/dz`` as ``-s`` times the group's sum, so scales near float32's smallest normal
+  (where ``fq - x`` and ``g * s`` are subnormal, flushed to zero by XLA:CPU) and
+  subnormal scales get the formula's gradients, not zeros or NaN. The zero point is
+  rounded (and clamped) in the forward pass and passed straight through in the backward
+  pass. ``lsq_grad_scale=True`` multiplies both by ``1 / sqrt(N * qmax)``, the gradient
+  scale of the LSQ paper (``N`` elements per scale).
 
 In computed mode with float32 absmax scales of a signed integer format (the
 QAT default), ``absmax / qmax`` maps every element into ``[-qmax, qmax]``:
@@ -216,6 +217,7 @@ def _codes(x, scale, zero_point, noise, config: _Config):
         zp = expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x.shape, config.layout)
         r = r + zp
     q = jnp.clip(r, fmt.qmin, fmt.qmax)
+    q = jnp.where(jnp.isnan(r), 0.0 if zp is None else zp, q)  # NaN: the zero point's, as quantize
     return r, jnp.where(q == 0, 0.0, q), zp, t  # an integer code has no -0.0
 
 
@@ -269,6 +271,9 @@ def _fake_quant_bwd(config: _Config, residuals, g):
     dx = jnp.where(inside, g, 0.0).astype(x.dtype)
     zpv = 0.0 if zp is None else zp
     edge = jnp.where(raw < lo, jnp.float32(fmt.qmin) - zpv, jnp.float32(fmt.qmax) - zpv)
+    # an integer NaN's value is its zero point's, 0 whatever the scale and zero point
+    held = jnp.isnan(raw) if fmt.is_integer else False
+    edge = jnp.where(held, 0.0, edge)
     # (fq - x) / s as (q - z) - x / s (exact for integer codes): no product with the scale,
     # whose (fq - x) is subnormal, flushed to zero by XLA:CPU, for scales near 2**-126
     dscale = g * jnp.where(inside, (q - zpv) - t, edge)
@@ -283,7 +288,7 @@ def _fake_quant_bwd(config: _Config, residuals, g):
     dzp = None
     if zero_point is not None:  # sum(-g) * s per group: no subnormal g * s (see `dequantize`)
         s, f = scale_factors(scale)
-        dzp = (to_scale(jnp.where(inside, 0.0, -g)) * s) * f
+        dzp = (to_scale(jnp.where(inside | held, 0.0, -g)) * s) * f
     return dx, to_scale(dscale), dzp, None
 
 

@@ -92,3 +92,32 @@ def test_jit_and_vmap_of_fake_quant():
     assert gx.shape == x.shape and gs.shape == (5,)
     v = jax.jit(jax.vmap(lambda r: jq.fake_quant(r, jnp.float32(0.1))))(x)
     np.testing.assert_array_equal(v, jq.fake_quant(x, jnp.float32(0.1)))
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4", "uint8", "int32"])
+@pytest.mark.parametrize("gran", [dict(), dict(axis=1), dict(axis=1, block_size=2)])
+def test_a_nan_input_is_the_zero_points_code_as_in_quantize(fmt, gran):
+    """With an explicit scale, quantize gives a NaN the zero point's code; fake_quant's value
+    is that code's (0.0), and the NaN adds nothing to any gradient."""
+    x = np.random.default_rng(3).standard_normal((3, 4)).astype(np.float32) * 3
+    x[1, 2] = np.nan
+    f = jq.get_format(fmt)
+    scale = jq.quantize(np.nan_to_num(x), dtype=fmt, **gran).scale * 0.5  # some values clip
+    zp = jnp.full(scale.shape, 3, f.dtype) if not f.signed else None
+    want = jq.dequantize(jq.quantize(x, scale, zp, dtype=fmt, **gran))
+    assert want[1, 2] == 0
+    np.testing.assert_array_equal(jq.fake_quant(x, scale, zp, dtype=fmt, **gran), want)
+
+    def loss(x, s, z):
+        return jnp.sum(jq.fake_quant(x, s, z, dtype=fmt, **gran) * jnp.arange(1.0, 13.0).reshape(3, 4))
+
+    zf = None if zp is None else zp.astype(jnp.float32)
+    got = jax.grad(loss, argnums=(0, 1, 2) if zf is not None else (0, 1))(x, scale, zf)
+    assert got[0][1, 2] == 0
+    # the scale's and zero point's as with the NaN replaced by the zero point's value, 0.0
+    # (exact: no contribution); x's elsewhere as they were
+    clean = jax.grad(loss, argnums=(0, 1, 2) if zf is not None else (0, 1))(
+        np.nan_to_num(x), scale, zf)
+    np.testing.assert_array_equal(np.delete(got[0], 6), np.delete(clean[0], 6))
+    for a, b in zip(got[1:], clean[1:], strict=True):
+        np.testing.assert_array_equal(a, b)
