@@ -312,7 +312,9 @@ def check_consistent(qt: QTensor, argname: str = "qt") -> None:
     hint = (" A QTensor stacked by jax.vmap / lax.scan (or jax.tree.map(jnp.stack, ...)) holds "
             "one QTensor per entry of its leading axis: use it inside jax.vmap or lax.scan, "
             "e.g. jax.vmap(jaxquant.dequantize)(qt); a stack of layers quantized as one array "
-            "has one scale set for all of them: quantize it with QuantSpec(stacked=1).")
+            "has one scale set for all of them: quantize it with QuantSpec(stacked=1). Layers "
+            "stacked on a later axis (nn.scan / nn.vmap variable_axes other than 0) have no "
+            "tree or file form.")
     if not (_is_arraylike(qt.qvalue) and _is_arraylike(qt.scale) and _known(qt)):
         got = [getattr(a, "dtype", type(a).__name__) for a in (qt.qvalue, qt.scale)]
         raise TypeError(f"{argname} must hold codes of a quantized format and a float scale, "

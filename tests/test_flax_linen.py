@@ -576,7 +576,7 @@ class _ScanOnAxis(nn.Module):
 
 
 @pytest.mark.parametrize("axis", [0, 1])
-def test_layers_stacked_on_another_axis_are_quantized_layer_by_layer(axis):
+def test_layers_stacked_on_another_axis_are_quantized_layer_by_layer(axis, tmp_path):
     model = _ScanOnAxis(axis)
     x = jax.random.normal(jax.random.key(0), (2, 6))
     qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(axis=-1)))
@@ -595,6 +595,13 @@ def test_layers_stacked_on_another_axis_are_quantized_layer_by_layer(axis):
         np.testing.assert_allclose(g, np.clip(np.rint(w / s), -127, 127) * s, rtol=1e-6)
     np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)),
                                np.asarray(jax.jit(qm.apply)(params, x)), rtol=1e-5, atol=1e-6)
+    if axis:  # no tree or file form: refused by name, not misread
+        for tree_tool in (jq.dequantize_tree, lambda q: jq.save_safetensors(tmp_path / "q", q)):
+            with pytest.raises(ValueError, match="stacked on a later axis.*no tree or file form"):
+                tree_tool(q)
+    else:
+        np.testing.assert_array_equal(jq.dequantize_tree(q)["params"][name]["Dense_0"]["kernel"],
+                                      np.stack([np.asarray(g) for g in per_layer(qt)]))
 
 
 def test_per_tensor_scales_stacked_on_a_later_axis_are_refused():

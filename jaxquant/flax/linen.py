@@ -217,7 +217,11 @@ class QuantizedLinen:
         in training) if it has one, else with
         computed scales (the values fake quantization trained with), or with
         GPTQ (`jaxquant.gptq`) where ``grams`` has the layer's input Gram matrix.
-        Kernels stacked by ``nn.scan`` are quantized layer by layer. Variables of
+        Kernels stacked by ``nn.scan`` / ``nn.vmap`` are quantized layer by layer, each
+        array of the `QTensor` stacked on the kernel's stacking axis. Only leading stacking
+        axes (``variable_axes={"params": 0}``, Flax's default) have a tree and file form:
+        a kernel stacked on a later axis runs with ``apply``, but `jaxquant.dequantize_tree`,
+        `jaxquant.quantization_report` and the checkpoints refuse it. Variables of
         `jax.ShapeDtypeStruct` placeholders (``jax.eval_shape(qm.init, ...)``) give
         abstract `QTensor` kernels: a target for `jaxquant.load_safetensors` /
         `jaxquant.load_orbax` without training or quantizing anything. The model's
