@@ -366,6 +366,8 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
     def get(key):
         dtype, shape = storage(specs[key])
         x = restored[key] if key in restored else np.zeros(shape, dtype)
+        if key not in hints:  # on one device for the restore only: uncommitted, as from a file
+            x = np.asarray(x)  # (its bytes come to the host for their CRC all the same)
         verify(where, key, specs[key], x.dtype.name, x.shape, x)
         bar.update()
         return x

@@ -248,6 +248,8 @@ def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:
     if np.dtype(t.dtype).name != entry["dtype"]:
         raise TypeError(f"{where}: {path!r}: QTensor dtype mismatch: the target expects "
                         f"{np.dtype(t.dtype).name}, the file holds {entry['dtype']}.")
+    # the codes first: int4 against uint4 is a dtype mismatch, not a missing zero point
+    _same(where, join(path, "qvalue"), t.qvalue, specs[join(path, "qvalue")])
     if (t.zero_point is not None) != entry["zero_point"]:
         has = {True: "a zero point", False: "no zero point"}
         raise ValueError(f"{where}: {path!r}: the target expects {has[t.zero_point is not None]}, "
@@ -258,7 +260,7 @@ def _check_leaf(where: str, path: str, entry: dict, specs: dict, t) -> None:
                         f"file {has['scale' in entry]}.")
     if is_qtensor(t.scale):
         _check_leaf(where, join(path, "scale"), entry["scale"], specs, t.scale)
-    for name in ("qvalue", "scale", "zero_point"):
+    for name in ("scale", "zero_point"):
         v = getattr(t, name)
         if v is not None and not is_qtensor(v):
             _same(where, join(path, name), v, specs[join(path, name)])

@@ -173,6 +173,37 @@ def test_orbax_bitcast_tensor_onto_a_sharded_target_under_set_mesh(tmp_path, exp
     assert back["e3m4"].sharding.spec == P("a") and len(back["e3m4"].addressable_shards) == 8
 
 
+@pytest.mark.parametrize("explicit", [True, False])
+def test_orbax_without_a_target_under_set_mesh(tmp_path, explicit):
+    """Tensors no target places were restored committed to one device: packed codes then
+    reached a jit under `jax.set_mesh` ('Received incompatible devices'), and plain leaves
+    refused every later op in that context. They come back as from a file: uncommitted."""
+    tree = {"w": jq.quantize(jnp.asarray(_RNG.standard_normal((8, 8)), jnp.float32),
+                             dtype=jnp.int4), "b": jnp.arange(8.0)}
+    save_orbax(tmp_path / "c", tree)
+    mesh = host_mesh((2, 4), ("a", "b"), AxisType.Explicit if explicit else None)
+    with jax.set_mesh(mesh):
+        for target in (None, jax.tree.map(np.asarray, tree)):
+            back = load_orbax(tmp_path / "c", target)
+            assert float(jnp.sum(back["b"])) == 28.0  # usable in the mesh's context
+            np.testing.assert_array_equal(jq.dequantize(back["w"]), jq.dequantize(tree["w"]))
+            assert back["w"].qvalue.dtype == jnp.int4
+
+
+@pytest.mark.parametrize("saved, wanted", [(jnp.int4, jnp.uint4), (jnp.uint8, jnp.int8),
+                                           (jnp.int8, jnp.uint8)])
+def test_signed_against_unsigned_codes_is_a_dtype_mismatch(tmp_path, saved, wanted):
+    """Unsigned codes come with a zero point: the zero point's check came first and called
+    an int4 file under a uint4 target a missing zero point, a ValueError."""
+    x = jnp.linspace(-1, 1, 32).reshape(4, 8)
+    save_safetensors(tmp_path / "q.safetensors", {"w": jq.quantize(x, dtype=saved)})
+    target = {"w": jax.eval_shape(lambda: jq.quantize(x, dtype=wanted))}
+    message = (f"'w/qvalue': dtype mismatch: the target expects {jnp.dtype(wanted).name}, "
+               f"the file holds {jnp.dtype(saved).name}")
+    with pytest.raises(TypeError, match=message):
+        load_safetensors(tmp_path / "q.safetensors", target)
+
+
 def _hand_written(path, entries: dict, data: bytes, length: int | None = None) -> None:
     text = json.dumps(entries).encode()
     text += b" " * (-len(text) % 8)
