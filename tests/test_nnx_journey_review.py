@@ -290,7 +290,7 @@ def test_reports_and_rules_on_the_model(journey):
     assert (down.format, down.shape) == ("int4(packed)", (L, 2 * D, D))
     assert down.nbytes_after == L * 2 * D * D // 2 + L * D * 4  # packed codes + f32 scales
     assert rows["head/kernel/value"].nbytes_after == D * V + V * 4
-    assert rows["stack/up/kernel/value"].granularity == "axis=1"  # one layer's axis
+    assert rows["stack/up/kernel/value"].granularity == "stacked=1 axis=1"  # one layer's axis
     assert not rows["head/bias/value"].compared
     assert all(np.isfinite(r.sqnr_db) for r in rows.values() if r.compared)
     # Tree-level rules on nnx.State paths end in /value, as the README says.
