@@ -253,7 +253,7 @@ def _row(path: str, ref, q, sqnr: float = math.nan, worst: float = math.nan,
          compared: bool = False, *, alone: bool = False) -> LeafReport:
     """The row of leaf ``q`` (``ref`` its original); ``alone``: no original was given."""
     if is_qtensor(q):
-        gran = _granularity(q, stacked_axes(q, f"qtree leaf {path!r}"))
+        gran = _granularity(q, stacked_axes(q, f"{'tree' if alone else 'qtree'} leaf {path!r}"))
         fmt = format_name(q) + ("(packed)" if q.packed else "")
     else:
         fmt, gran = "-", "-"
