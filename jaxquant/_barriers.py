@@ -22,8 +22,11 @@ make a jitted program disagree with the same operations run one by one:
   pads such a contraction with zero codes to a multiple of 4 (on every
   backend; the padded operands go behind the barrier, so that no fusion
   reaches the padding), and `int_conv` a convolution's input features per
-  group. One product still came back doubled on an H200 (2026-11-27): both
-  operands contracted on their last axis (5 x 9 by 70 x 9), padded or not.
+  group. Its Triton GEMM fusions also doubled a padded product whose ``rhs``
+  was contracted on its last axis (5 x 9 by 70 x 9: SwitchBack's backward), in
+  one program with the forward dot (H200, 2026-11-27; right with Triton GEMMs
+  off, or alone). `int_dot_general` therefore lays ``rhs`` out as batch,
+  contracting, free axes first (a no-op for the usual ``(in, out)`` kernel).
 * cuDNN has no integer convolution with int32 output: XLA:GPU refuses to
   compile one. On CUDA and ROCm `int_conv` sums the codes' products in
   float32 convolutions, exactly (`float_conv_sums`).
@@ -112,11 +115,13 @@ def int_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
                     out_sharding=None) -> jax.Array:
     """``lax.dot_general`` of integer codes to exact int32 sums, on every backend.
 
-    A contraction whose length is not a multiple of 4 is padded with zero
-    codes to one (the last contracting axis of each operand), which adds
-    nothing to the sums, and both operands pass through `gemm_operand`. The
-    padding is done on every backend (one program everywhere, tested on CPU);
-    real models' contractions are multiples of 4 and pass untouched.
+    ``rhs`` is transposed to its batch, contracting and free axes, in that
+    order (where it is not so already). A contraction whose length is not a
+    multiple of 4 is padded with zero codes to one (the last contracting axis
+    of each operand), which adds nothing to the sums, and both operands pass
+    through `gemm_operand`. Both are done on every backend (one program
+    everywhere, tested on CPU); real models' contractions are multiples of 4
+    and pass untouched.
 
     Args:
       lhs: integer codes.
@@ -134,8 +139,13 @@ def int_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
       Array([[-36],
              [-36]], dtype=int32)
     """
-    (lc, rc), _ = dimension_numbers
+    (lc, rc), (lb, rb) = dimension_numbers
     lhs, rhs = _widen(lhs), _widen(rhs)
+    order = (*rb, *rc, *(d for d in range(rhs.ndim) if d not in rc and d not in rb))
+    if order != tuple(range(rhs.ndim)):  # the same sums, in the same output layout
+        rhs = jnp.transpose(rhs, order)
+        rb, rc = tuple(range(len(rb))), tuple(range(len(rb), len(rb) + len(rc)))
+        dimension_numbers = ((lc, rc), (lb, rb))
     if lc and math.prod(lhs.shape[d] for d in lc) % 4:
         lhs, rhs = _pad_to_four(lhs, lc[-1]), _pad_to_four(rhs, rc[-1])
     # the barrier after the padding: no GEMM fusion reaches the padded operands

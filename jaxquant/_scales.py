@@ -8,10 +8,12 @@ formula). Float formats map ``absmax`` to the largest finite value.
 
 Groups of zeros get scale 1 (their codes are zeros, never NaN or inf), and
 scales are kept at or above the smallest normal float32, because XLA:CPU
-flushes subnormals to zero. Every division is `divide` (correctly rounded), so
-the scale is the same number eagerly, under ``jit`` and on every backend (XLA
-would otherwise turn ``amax / 127`` into ``amax * (1 / 127)`` under ``jit``, and
-XLA:GPU's own division is up to 2 ulps off). A range wider than float32's
+flushes subnormals to zero. A group whose largest magnitude is subnormal reads
+as zeros there, so it gets scale 1 (and codes 0) on every backend. Every
+division is `divide` (correctly rounded), so the scale is the same number
+eagerly, under ``jit`` and on every backend (XLA would otherwise turn
+``amax / 127`` into ``amax * (1 / 127)`` under ``jit``, and XLA:GPU's own
+division is up to 2 ulps off). A range wider than float32's
 largest value gets ``hi / n - lo / n`` where ``(hi - lo) / n`` would overflow,
 and empty arrays get scale 1 for every (empty) group.
 """
@@ -28,12 +30,14 @@ from jaxquant._rounding import SMALLEST_NORMAL, divide
 __all__ = ["compute_scale", "scale_from_range", "group_absmax"]
 
 
-def _safe(scale: jax.Array, nonzero: jax.Array) -> jax.Array:
-    """Scales of at least the smallest normal where the group's range is ``nonzero`` (also
-    where the quotient underflowed to 0: a group of tiny values keeps them); all-zero
-    groups 1, NaN groups NaN."""
+def _safe(scale: jax.Array, amax: jax.Array) -> jax.Array:
+    """Scales of at least the smallest normal where the group's largest magnitude ``amax``
+    is normal (also where the quotient underflowed to 0: a group of tiny values keeps them);
+    groups of zeros or subnormals 1 (XLA:CPU reads subnormals as zeros, XLA:GPU does not:
+    a test ``amax > 0`` would give them 1 on one and the smallest normal on the other),
+    NaN groups NaN."""
     fallback = jnp.where(jnp.isnan(scale), scale, jnp.float32(1))
-    return jnp.where(nonzero, jnp.maximum(scale, SMALLEST_NORMAL), fallback)
+    return jnp.where(amax >= SMALLEST_NORMAL, jnp.maximum(scale, SMALLEST_NORMAL), fallback)
 
 
 def scale_from_range(
@@ -60,9 +64,9 @@ def scale_from_range(
     if symmetric or not fmt.is_integer:
         amax = jnp.maximum(jnp.abs(lo), jnp.abs(hi))
         if not fmt.is_integer or fmt.signed:
-            return _safe(divide(amax, jnp.float32(fmt.qmax)), amax > 0), None
+            return _safe(divide(amax, jnp.float32(fmt.qmax)), amax), None
         mid = (int(fmt.qmax) + 1) // 2
-        scale = _safe(divide(amax, jnp.float32(fmt.qmax - mid)), amax > 0)
+        scale = _safe(divide(amax, jnp.float32(fmt.qmax - mid)), amax)
         return scale, jnp.full(scale.shape, mid, fmt.dtype)
     lo = jnp.minimum(lo, 0.0)
     hi = jnp.maximum(hi, 0.0)
@@ -70,7 +74,7 @@ def scale_from_range(
     span = hi - lo  # overflows to inf for finite ranges wider than float32's largest value
     scale = jnp.where(jnp.isinf(span) & jnp.isfinite(lo) & jnp.isfinite(hi),
                       divide(hi, n) - divide(lo, n), divide(span, n))
-    scale = _safe(scale, hi > lo)
+    scale = _safe(scale, jnp.maximum(hi, -lo))  # not span: two subnormals add up to a normal
     zp = jnp.float32(fmt.qmin) - jnp.round(divide(lo, scale))
     return scale, jnp.clip(zp, fmt.qmin, fmt.qmax).astype(fmt.dtype)
 

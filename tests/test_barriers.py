@@ -164,8 +164,11 @@ def test_int8_contractions_are_padded_to_a_multiple_of_four():
                                          ((((2,), (1,)), ((0,), (0,))), ((3, 4, 6), (3, 6, 5))),
                                          ((((1, 2), (0, 1)), ((), ())), ((2, 3, 3), (3, 3, 4))),
                                          # both contracted on their last axis (SwitchBack's
-                                         # backward): twice the sums on an H200, padded or not
-                                         ((((1,), (1,)), ((), ())), ((5, 9), (70, 9)))])
+                                         # backward): rhs transposed to contraction first
+                                         ((((1,), (1,)), ((), ())), ((5, 9), (70, 9))),
+                                         ((((2,), (2,)), ((0,), (0,))), ((3, 4, 6), (3, 5, 6))),
+                                         # rhs: contracting, free, batch axes
+                                         ((((1,), (0,)), ((0,), (2,))), ((3, 6), (6, 5, 3)))])
 def test_the_padded_int8_dot_gives_the_same_sums(dims, shapes):
     rng = np.random.default_rng(0)
     a, b = (jnp.asarray(rng.integers(-128, 128, s), jnp.int8) for s in shapes)
@@ -173,6 +176,25 @@ def test_the_padded_int8_dot_gives_the_same_sums(dims, shapes):
     got = jax.jit(int_dot_general, static_argnums=2)(a, b, dims)
     assert got.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_switchback_backward_takes_the_codes_contraction_first():
+    """XLA:GPU's Triton GEMMs doubled SwitchBack's int8 product (the weight's codes contracted
+    on their last axis) in a program with the forward dot; each int8 dot's rhs is now laid out
+    contraction first, the same sums (checked against the float gradient's transpose)."""
+    x, w, g = jnp.ones((5, 70)), jnp.linspace(-1.0, 1.0, 70 * 9).reshape(70, 9), jnp.ones((5, 9))
+
+    def joint(g, x, w):
+        y, vjp = jax.vjp(lambda x, w: jq.qat_dot_general(x, w, DN, act=ActQuant(),
+                                                         backward="int8"), x, w)
+        return y, *vjp(g)
+
+    for platform in ("cpu", "cuda"):
+        text = lowered_text(joint, g, x, w, platform=platform)
+        rhs_dims = re.findall(r"stablehlo\.dot_general [^\n]*contracting_dims = \[[\d, ]*\] x "
+                              r"\[([\d, ]*)\][^\n]*: \(tensor<[\dx]+xi8>, tensor<[\dx]+xi8>", text)
+        # the forward dot and SwitchBack's (twice on the CPU: the branches of a lax.cond)
+        assert len(rhs_dims) >= 2 and set(rhs_dims) == {"0"}, (platform, rhs_dims)
 
 
 @pytest.mark.parametrize("groups,layout", [(1, ("NWC", "WIO", "NWC")), (3, ("NWC", "WIO", "NWC")),

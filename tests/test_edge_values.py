@@ -185,6 +185,25 @@ def test_subnormal_inputs_with_computed_scales_match_onnx(fmt, smallest_max):
         np.testing.assert_allclose(np.asarray(out), codes * want_s, rtol=2e-7)
 
 
+@pytest.mark.parametrize("dtype,symmetric", [("int8", True), ("uint8", True), ("uint8", False),
+                                             ("float8_e4m3fn", True)])
+def test_a_group_of_subnormals_alone_gets_scale_one_on_every_backend(dtype, symmetric):
+    """XLA:CPU reads subnormals as zeros, XLA:GPU does not: a group whose largest magnitude is
+    subnormal gets scale 1 and zero codes on both (an H200 gave it the smallest normal scale).
+    The affine group's range (twice 0.9 * 2**-126) is normal, its ends are not."""
+    tiny = np.float32(0.9 * 2.0**-126)
+    x = np.array([[1e-39, -5e-40, 0.0, 2e-45], [tiny, -tiny, 0.0, 0.0], [1.0, -0.5, 1e-39, 0.0]],
+                 np.float32)
+    for f in (lambda x: jq.quantize(x, dtype=dtype, axis=0, symmetric=symmetric),
+              jax.jit(lambda x: jq.quantize(x, dtype=dtype, axis=0, symmetric=symmetric))):
+        qt = f(jnp.asarray(x))
+        np.testing.assert_array_equal(np.asarray(qt.scale)[:2], [1.0, 1.0])
+        zero = 0 if qt.zero_point is None else np.asarray(qt.zero_point)[:2, None]
+        np.testing.assert_array_equal(np.asarray(qt.qvalue[:2], np.float32) - zero, 0.0)
+        np.testing.assert_array_equal(np.asarray(jq.dequantize(qt))[:2], 0.0)
+        assert np.asarray(qt.scale)[2] > 2.0**-126
+
+
 @pytest.mark.parametrize("fmt, inside, outside", [
     ("float8_e4m3fn", [447.0, 455.0, 463.9, 464.0], [464.1, 500.0]),  # 464 ties down to 448
     ("float8_e5m2", [57344.0, 61439.0], [61440.0, 70000.0]),  # 61440 ties up, beyond

@@ -11,6 +11,10 @@ import jaxquant as jq
 from jaxquant._platform_ops import platform_op
 from jaxquant._rounding import divide
 
+# the branch that jax.jit runs here, and its offset in `_counting_op`
+HERE = {"cpu": "cpu", "gpu": "cuda"}.get(jax.default_backend(), "default")
+OFFSET = {"cpu": 1.0, "cuda": 2.0, "default": 3.0}
+
 
 def _counting_op(name):
     traced = {"cpu": 0, "cuda": 0, "default": 0}
@@ -21,8 +25,7 @@ def _counting_op(name):
             return x * s + (offset + k)
         return f
 
-    op = platform_op(name, like=0, cpu=branch("cpu", 1.0), cuda=branch("cuda", 2.0),
-                     default=branch("default", 3.0))
+    op = platform_op(name, like=0, **{p: branch(p, k) for p, k in OFFSET.items()})
     return op, traced
 
 
@@ -31,10 +34,12 @@ def test_only_the_lowered_platforms_branch_is_traced():
     f = jax.jit(lambda x, s: op(x, s, k=10.0))
     x, s = jnp.arange(4.0), jnp.float32(2.0)
     assert jax.make_jaxpr(f)(x, s) is not None and traced == {"cpu": 0, "cuda": 0, "default": 0}
-    np.testing.assert_array_equal(f(x, s), np.arange(4.0) * 2 + 11)
-    assert traced == {"cpu": 1, "cuda": 0, "default": 0}
-    cuda = f.trace(x, s).lower(lowering_platforms=("cuda",)).as_text()
-    assert traced["cuda"] == 1 and traced["default"] == 0 and "1.200000e+01" in cuda
+    np.testing.assert_array_equal(f(x, s), np.arange(4.0) * 2 + 10 + OFFSET[HERE])
+    assert traced == {p: int(p == HERE) for p in OFFSET}
+    other = "cuda" if HERE == "cpu" else "cpu"
+    text = f.trace(x, s).lower(lowering_platforms=(other,)).as_text()
+    assert traced[other] == 1 and traced["default"] == int(HERE == "default")
+    assert f"{10 + OFFSET[other]:.6e}" in text
 
 
 def test_a_multi_platform_export_runs_each_platforms_branch():
@@ -42,7 +47,8 @@ def test_a_multi_platform_export_runs_each_platforms_branch():
     exp = export.export(jax.jit(lambda x: op(x, jnp.float32(2.0), k=0.0)),
                         platforms=("tpu", "cpu", "cuda"))(jax.ShapeDtypeStruct((3,), jnp.float32))
     assert traced == {"cpu": 1, "cuda": 1, "default": 1}
-    np.testing.assert_array_equal(exp.call(jnp.ones(3)), [3.0, 3.0, 3.0])  # the CPU's: 2 + 1
+    # x * 2 + the offset of the platform it runs on
+    np.testing.assert_array_equal(exp.call(jnp.ones(3)), [2.0 + OFFSET[HERE]] * 3)
 
 
 def test_quantize_exported_for_tpu_and_cpu_gives_the_cpus_codes():
@@ -54,7 +60,8 @@ def test_quantize_exported_for_tpu_and_cpu_gives_the_cpus_codes():
     mlir = exp.mlir_module()
     assert "f64" in mlir  # the GPUs' division is in float64
     np.testing.assert_array_equal(exp.call(x), f(x))
-    assert "f64" not in f.trace(x).lower().as_text()  # the CPU's own program is float32 only
+    cpu = f.trace(x).lower(lowering_platforms=("cpu",)).as_text()
+    assert "f64" not in cpu  # the CPU's own program is float32 only
 
 
 @pytest.mark.parametrize("x_axis,s_axis", [(0, None), (None, 0), (1, 0), (0, 1), (1, 1)])
