@@ -229,16 +229,24 @@ def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
     finite value: below the midpoint to the next binade step, or on it when the
     tie goes to the largest value (an even last mantissa bit: float8_e4m3fn's
     448; float8_e5m2's 57344 and float4's 6 round up). Without saturation
-    (float8 only: float4 always saturates) nothing is clipped.
+    (float8 only: float4 always saturates) nothing is clipped. The float6
+    tables round as IEEE floats, so they get the same test (their largest value
+    has an odd last mantissa bit: 7.75 and 30 clip); the other codebooks (NF4,
+    FP4) have no step beyond their largest value and clip above it.
     """
-    if fmt.is_integer or fmt.is_codebook:
+    if fmt.is_integer or (fmt.is_codebook and fmt.ties != "even"):
         return (raw >= fmt.qmin) & (raw <= fmt.qmax)
-    if not saturate:
+    if fmt.is_codebook:  # an IEEE table: its top step, and the top code's last bit
+        top = float(fmt.max_finite)
+        below = max(abs(v) for v in fmt.values if abs(v) < top)
+        half_gap, mantissa = (top - below) / 2, fmt.values.index(top)
+    elif not saturate:
         return ~jnp.isnan(raw)
-    info = ml_dtypes.finfo(fmt.dtype)
-    top = float(info.max)
-    half_gap = 2.0 ** (np.floor(np.log2(top)) - int(info.nmant) - 1)
-    mantissa = int(round(top / 2.0 ** np.floor(np.log2(top)) * 2 ** int(info.nmant)))
+    else:
+        info = ml_dtypes.finfo(fmt.dtype)
+        top = float(info.max)
+        half_gap = 2.0 ** (np.floor(np.log2(top)) - int(info.nmant) - 1)
+        mantissa = int(round(top / 2.0 ** np.floor(np.log2(top)) * 2 ** int(info.nmant)))
     edge, a = jnp.float32(top + half_gap), jnp.abs(raw)
     return (a < edge) | ((a == edge) & (mantissa % 2 == 0))
 

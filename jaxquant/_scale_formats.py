@@ -22,6 +22,10 @@ A computed float32 scale (``absmax / max_finite`` per group) is stored as:
     largest value would round beyond the element maximum; values that round
     down to the maximum keep the finer scale.
 
+  Neither raises the exponent of a group whose absmax is at least ``2**127``:
+  its largest value could round to ``2**128``, which float32 cannot hold (a
+  finite value would dequantize to inf); such a group keeps the floor scale.
+
   Exponents are kept in ``[-126, 127]`` (XLA:CPU flushes float32 subnormals);
   a group whose absmax is a float32 subnormal gets ``2**-126`` (read from the
   bits: XLA:CPU compares subnormals as zero), never the scale 1 of all-zero groups.
@@ -184,7 +188,8 @@ def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
             half, tie_up = _half_top_gap(fmt)
             limit = _top(fmt) + half
             over = (t > limit) | ((t == limit) & tie_up) if half else t > limit
-        e = e + over.astype(jnp.int32)
+        # float32's top binade: the raised scale could round the largest value to 2**128
+        e = e + (over & (exponent(amax) < 127)).astype(jnp.int32)
     nonzero = (f32_bits(amax) & 0x7FFFFFFF) != 0  # `amax > 0` is False for subnormals on CPU
     e = jnp.where(nonzero, jnp.clip(e, -126, 127), 0)  # all-zero groups: scale 1
     nan = jnp.isnan(amax)  # a block holding a NaN: the NaN scale 0xFF, as OCP MX

@@ -218,6 +218,26 @@ def test_float_ste_passes_quotients_that_round_to_the_largest_value(fmt, inside,
         np.testing.assert_array_equal(np.asarray(g), [1.0] * len(inside) + [0.0] * len(outside))
 
 
+@pytest.mark.parametrize("fmt,wider,top", [("float6_e2m3fn", ml_dtypes.float8_e4m3fn, 7.5),
+                                           ("float6_e3m2fn", ml_dtypes.float8_e5m2, 28.0)])
+def test_float6_ste_passes_quotients_that_round_to_the_largest_value(fmt, wider, top):
+    """float6 rounds as an IEEE float: a quotient is clipped only when rounding to nearest
+    even with its mantissa bits and no largest value (a float8 of as many mantissa bits and a
+    wider exponent) goes beyond the largest value; as in MXFP6 blocks (block max / scale lies
+    in [4, 8) for E2M3)."""
+    q = np.linspace(top * 0.9, top * 1.2, 301, dtype=np.float32)
+    q = np.concatenate([q, -q, np.float32([7.75, 30.0])])  # the ties of E2M3 and E3M2
+    want = (np.abs(q.astype(wider).astype(np.float32)) <= top).astype(np.float32)
+    assert 0 < want.sum() < want.size
+    g = jax.grad(lambda v: jq.fake_quant(v, jnp.float32(1.0), dtype=fmt).sum())(jnp.asarray(q))
+    np.testing.assert_array_equal(np.asarray(g), want)
+    if fmt == "float6_e2m3fn":  # a block whose largest value sets the scale 1
+        x = np.zeros((1, 32), np.float32)
+        x[0, 0], x[0, 1:4] = 4.0, [7.6, 7.74, 7.75]
+        g = jax.grad(lambda v: jq.fake_quant(v, dtype="mxfp6_e2m3").sum())(jnp.asarray(x))
+        np.testing.assert_array_equal(np.asarray(g)[0, :4], [1.0, 1.0, 1.0, 0.0])
+
+
 @pytest.mark.parametrize("fmt, zero_point", [
     ("int8", None), ("int8", 0), ("uint8", 128), ("int4", None), ("int32", None),
     ("float4_e2m1fn", 0.0), ("float4_e2m1fn", None), ("float8_e4m3fn", None),

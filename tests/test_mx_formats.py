@@ -106,6 +106,29 @@ def test_scale_rounding_never_clips_with_ceil():
     assert np.all(np.abs(w) / s <= 448)
 
 
+@pytest.mark.parametrize("name", [*MX, "mxint8"])
+@pytest.mark.parametrize("mode", ["floor", "ceil", "up_on_overflow"])
+def test_no_rounding_mode_turns_float32s_top_binade_into_inf(name, mode):
+    """A raised exponent at absmax >= 2**127 could round the block's largest value to 2**128
+    (inf in float32): such blocks keep the floor scale (clipping as OCP's rule does); one
+    binade lower ceil still raises it and never clips."""
+    big = float(np.finfo(np.float32).max)
+    x = np.stack([np.linspace(big / 2, big, 32), np.linspace(2.0**126, 1.99 * 2.0**126, 32)])
+    x = x.astype(np.float32)
+    signs = (1.0, -1.0) if name != "mxint8" else (1.0,)  # MXINT8's -2.0 element: -2**128
+    for sign in signs:
+        qt = jq.quantize(jnp.asarray(sign * x), dtype=name, scale_rounding=mode)
+        for out in (jq.dequantize(qt), jax.jit(jq.dequantize)(qt)):
+            assert np.all(np.isfinite(np.asarray(out))), (sign, out)
+        scales = np.asarray(qt.scale).astype(np.float32).ravel()
+        amax = np.abs(x).max(axis=1).astype(np.float64)  # float32 log2(max) rounds to 128
+        floor = 2.0 ** (np.floor(np.log2(amax)) - MX.get(name, (None, 6))[1])  # int8 codes: 6
+        assert scales[0] == floor[0]
+        if mode == "ceil":
+            top = float(ml_dtypes.finfo(MX[name][0]).max) if name in MX else 127.0
+            assert np.all(np.abs(x[1]) / scales[1] <= top)
+
+
 def test_nvfp4_matches_the_two_level_recipe():
     """NVFP4: global = amax / (6 * 448); block scale = e4m3(amax_b / 6 / global);
     elements = e2m1(x / (block scale * global)), saturating at 6."""
