@@ -131,7 +131,7 @@ def quantize(
       scale_dtype: computed mode: the stored scale dtype (float32, bfloat16,
         float16, float8_e8m0fnu, or float8_e4m3fn/float8_e5m2 for two levels).
       scale_rounding: for ``float8_e8m0fnu`` scales: ``"floor"`` (OCP MX),
-        ``"ceil"`` (never clips) or ``"up_on_overflow"``.
+        ``"ceil"`` (never clips, below ``2**127``) or ``"up_on_overflow"``.
       double_quant: computed mode: quantize the float32 scales themselves to
         float8 with a float32 scale per 256 of them (bitsandbytes' nested
         quantization).

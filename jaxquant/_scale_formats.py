@@ -199,12 +199,14 @@ def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
 
 
 def _tiles_of(shape: tuple[int, ...], group: int) -> tuple[int, ...]:
-    """Tiles of about ``group`` consecutive scales: rows of the last axis, then more rows."""
-    last = max(1, min(shape[-1], group))
-    tiles = [1] * len(shape)
-    tiles[-1] = last
-    if len(shape) > 1:
-        tiles[-2] = max(1, min(shape[-2], group // last))
+    """Tiles of about ``group`` consecutive scales: a part of the last axis, or whole rows of
+    it (across every leading axis that the tile's later axes cover whole)."""
+    tiles, size = [1] * len(shape), 1
+    for d in reversed(range(len(shape))):
+        tiles[d] = max(1, min(shape[d], group // size))
+        size *= tiles[d]
+        if tiles[d] < shape[d]:  # a part of this axis: the earlier axes stay 1
+            break
     return tuple(tiles)
 
 

@@ -186,6 +186,28 @@ def test_double_quant_saves_scale_bytes_within_error_budget():
     assert sqnr(plain) - sqnr(nested) < 0.1  # measured 20.71 vs 20.68 dB
 
 
+@pytest.mark.parametrize("shape,tiles", [((4, 2, 640), (4, 2, 10)),  # 80 scales: one tile
+                                         ((8, 4, 640), (6, 4, 10)),  # 320: tiles of 240
+                                         ((2, 3, 4, 640), (2, 3, 4, 10))])
+def test_double_quant_tiles_span_leading_axes(shape, tiles):
+    """One float32 scale per group of (about) 256 block scales on inputs of any rank: a tile
+    of whole rows continues across the leading axes; each tile's float8 codes are its block
+    scales divided by the tile's largest / 448 (bitsandbytes' nested quantization)."""
+    w = np.random.default_rng(3).standard_normal(shape).astype(np.float32)
+    qt = jq.quantize(w, dtype="nf4", double_quant=True)
+    assert qt.scale.block_size == tiles
+    absmax = np.abs(w.reshape(*shape[:-1], -1, 64)).max(-1)  # NF4: the scale is the absmax
+    n = [-(-a // t) for a, t in zip(absmax.shape, tiles, strict=True)]
+    assert qt.scale.scale.shape == tuple(n)
+    for idx in np.ndindex(*n):
+        sl = tuple(slice(i * t, (i + 1) * t) for i, t in zip(idx, tiles, strict=True))
+        s2 = np.float32(absmax[sl].max() / np.float32(448))
+        np.testing.assert_array_equal(np.asarray(qt.scale.scale)[idx], s2)
+        want = (absmax[sl] / s2).astype(ml_dtypes.float8_e4m3fn)
+        np.testing.assert_array_equal(np.asarray(qt.scale.qvalue)[sl].view(np.uint8),
+                                      want.view(np.uint8))
+
+
 def test_double_quant_never_zeroes_a_block():
     w = np.ones((2, 256), np.float32)
     w[0, :64] = 1e-30  # a block scale far below float8's range next to scales of 1
