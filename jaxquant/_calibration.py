@@ -191,8 +191,11 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
     skipped; the search and histogram equal PyTorch's (see
     `jaxquant._histogram`) except where PyTorch's float32 error underflows or
     overflows (data below about 1e-13 or above 1e12; it then keeps a sliver
-    of the range, and its histogram of data beyond about 1e35 overflows), and
-    per-axis observers run one search per entry.
+    of the range, and its histogram of data beyond about 1e35 overflows), or
+    where the total count passes ``2**24`` (PyTorch's total is a float32
+    ``torch.sum``: 19,999,988 for 20,000,000 values; here the count is exact),
+    and per-axis observers run one search per entry. A batch is counted in
+    int32, so a bin keeps every value past ``2**24`` (as ``torch.histc``).
 
     Args:
       bins: histogram bins (PyTorch's default 2048).

@@ -91,7 +91,10 @@ def _point_bin(v: jax.Array, bins: int) -> jax.Array:
 
 
 def _bincount(idx: jax.Array, weights: jax.Array, bins: int) -> jax.Array:
-    """Per-row weighted bincount: ``(G, M)`` indices in ``[0, bins)`` -> ``(G, bins)``."""
+    """Per-row weighted bincount: ``(G, M)`` indices in ``[0, bins)`` -> ``(G, bins)``.
+
+    Counts (int32 ``weights``) are summed as integers: a float32 sum stops at
+    ``2**24`` (one more adds nothing), a bin of a large batch's zeros say."""
     g = idx.shape[0]
     flat = (idx + bins * jnp.arange(g, dtype=jnp.int32)[:, None]).ravel()
     return jax.ops.segment_sum(weights.ravel(), flat, num_segments=g * bins).reshape(g, bins)
@@ -142,7 +145,8 @@ def update(state: HistogramState, x: jax.Array) -> HistogramState:
     f = power_of_two(jnp.maximum(jnp.abs(new_min), jnp.abs(new_max)))
     old_lo, old_hi, lo, hi = state.min * f, state.max * f, new_min * f, new_max * f
     batch = _bincount(_bin_index(x * f[:, None], lo[:, None], hi[:, None], bins,
-                                 _point_bin(new_min, bins)[:, None]), finite.astype(_F32), bins)
+                                 _point_bin(new_min, bins)[:, None]), finite.astype(jnp.int32),
+                      bins).astype(_F32)  # exact counts, rounded once (as torch.histc's)
     upscaled = lax.cond(jnp.any(grow), lambda: _upscale(state.hist, old_lo, old_hi, lo, hi),
                         lambda: jnp.zeros_like(state.hist))
     one = _bin_index(old_lo, lo, hi, bins, bins // 2)[:, None] == jnp.arange(bins)[None]

@@ -130,6 +130,18 @@ def test_minmax_scale_is_quantize_computed_scale(dtype, symmetric):
 # ----------------------------------------------------------------------------- histogram
 
 
+def test_a_bin_of_more_than_2_24_values_keeps_every_count():
+    """A batch's counts are summed as integers: a float32 sum stuck at 2**24 for the bin of a
+    large batch's zeros (ReLU or padded activations); torch.histc keeps them all."""
+    torch = pytest.importorskip("torch")
+    x = np.zeros(2**24 + 3001, np.float32)
+    x[:1000] = np.linspace(-1.0, 1.0, 1000)
+    ref = _torch_observe(torch.ao.quantization.HistogramObserver(bins=256), [x])
+    state = cal.calibrate(cal.histogram(256), [x])
+    np.testing.assert_array_equal(state.hist, ref.histogram.numpy())
+    assert np.sum(np.asarray(state.hist, np.float64)) == x.size - 1  # (an odd count: rounded)
+
+
 @pytest.mark.parametrize("kind,bins", [("normal", 2048), ("student", 2048),
                                        ("constant_first", 256)])
 def test_histogram_matches_torch(kind, bins):
