@@ -25,8 +25,8 @@ make a jitted program disagree with the same operations run one by one:
   group. Its Triton GEMM fusions also doubled a padded product whose ``rhs``
   was contracted on its last axis (5 x 9 by 70 x 9: SwitchBack's backward), in
   one program with the forward dot (H200, 2026-11-27; right with Triton GEMMs
-  off, or alone). `int_dot_general` therefore lays ``rhs`` out as batch,
-  contracting, free axes first (a no-op for the usual ``(in, out)`` kernel).
+  off, or alone). Off CPU `int_dot_general` therefore lays ``rhs`` out as
+  batch, contracting, free axes (a no-op for the usual ``(in, out)`` kernel).
 * cuDNN has no integer convolution with int32 output: XLA:GPU refuses to
   compile one. On CUDA and ROCm `int_conv` sums the codes' products in
   float32 convolutions, exactly (`float_conv_sums`).
@@ -43,6 +43,7 @@ branch when the program is lowered).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
@@ -52,7 +53,7 @@ from jax import lax
 
 from jaxquant._platform_ops import platform_op
 
-__all__ = ["keep_rounding", "gemm_operand", "int_dot_general", "int_conv",
+__all__ = ["keep_rounding", "gemm_operand", "int_dot_general", "contraction_first_dot", "int_conv",
            "float_conv_sums"]
 
 _SUB_BYTE = tuple(jnp.dtype(t) for t in (jnp.int4, jnp.uint4, jnp.int2, jnp.uint2))
@@ -115,13 +116,14 @@ def int_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
                     out_sharding=None) -> jax.Array:
     """``lax.dot_general`` of integer codes to exact int32 sums, on every backend.
 
-    ``rhs`` is transposed to its batch, contracting and free axes, in that
-    order (where it is not so already). A contraction whose length is not a
-    multiple of 4 is padded with zero codes to one (the last contracting axis
-    of each operand), which adds nothing to the sums, and both operands pass
-    through `gemm_operand`. Both are done on every backend (one program
-    everywhere, tested on CPU); real models' contractions are multiples of 4
-    and pass untouched.
+    Off CPU, ``rhs`` is first transposed to its batch, contracting and free
+    axes, in that order (where it is not so already; on XLA:CPU that transpose
+    made SwitchBack's backward 1.8x slower, and XLA:CPU needs none). A
+    contraction whose length is not a multiple of 4 is padded with zero codes
+    to one (the last contracting axis of each operand), which adds nothing to
+    the sums, and both operands pass through `gemm_operand`. The padding is done
+    on every backend (one program everywhere, tested on CPU); real models'
+    contractions are multiples of 4 and pass untouched.
 
     Args:
       lhs: integer codes.
@@ -139,13 +141,31 @@ def int_dot_general(lhs: jax.Array, rhs: jax.Array, dimension_numbers, *,
       Array([[-36],
              [-36]], dtype=int32)
     """
-    (lc, rc), (lb, rb) = dimension_numbers
     lhs, rhs = _widen(lhs), _widen(rhs)
-    order = (*rb, *rc, *(d for d in range(rhs.ndim) if d not in rc and d not in rb))
-    if order != tuple(range(rhs.ndim)):  # the same sums, in the same output layout
-        rhs = jnp.transpose(rhs, order)
-        rb, rc = tuple(range(len(rb))), tuple(range(len(rb), len(rb) + len(rc)))
-        dimension_numbers = ((lc, rc), (lb, rb))
+    kw = dict(dimension_numbers=dimension_numbers, out_sharding=out_sharding)
+    if _rhs_order(rhs.ndim, dimension_numbers) == tuple(range(rhs.ndim)):
+        return _padded_dot(lhs, rhs, **kw)
+    return lax.platform_dependent(lhs, rhs, cpu=functools.partial(_padded_dot, **kw),
+                                  default=functools.partial(contraction_first_dot, **kw))
+
+
+def _rhs_order(ndim: int, dimension_numbers) -> tuple[int, ...]:
+    (_, rc), (_, rb) = dimension_numbers
+    return (*rb, *rc, *(d for d in range(ndim) if d not in rc and d not in rb))
+
+
+def contraction_first_dot(lhs, rhs, dimension_numbers, *, out_sharding=None):
+    """`int_dot_general`'s branch off CPU: ``rhs`` transposed to its batch, contracting and
+    free axes first, then the padded dot (the same sums in the same output layout)."""
+    (lc, rc), (lb, rb) = dimension_numbers
+    nb = len(rb)
+    first = ((lc, tuple(range(nb, nb + len(rc)))), (lb, tuple(range(nb))))
+    return _padded_dot(lhs, jnp.transpose(rhs, _rhs_order(rhs.ndim, dimension_numbers)), first,
+                       out_sharding=out_sharding)
+
+
+def _padded_dot(lhs, rhs, dimension_numbers, *, out_sharding):
+    (lc, rc), _ = dimension_numbers
     if lc and math.prod(lhs.shape[d] for d in lc) % 4:
         lhs, rhs = _pad_to_four(lhs, lc[-1]), _pad_to_four(rhs, rc[-1])
     # the barrier after the padding: no GEMM fusion reaches the padded operands
