@@ -116,3 +116,29 @@ def test_linen_grams_under_scan_raise():
     params = Stack().init(jax.random.key(0), x)
     with pytest.raises(ValueError, match="layers inside nn.scan / nn.remat are not supported"):
         qm.input_grams(params, x)
+
+
+def test_a_failing_nnx_quantize_leaves_the_model_unchanged():
+    """nnx_quantize changes the model in place: every kernel (GPTQ's too) is computed before
+    any is set, so an error in a later layer leaves the earlier ones float, and a corrected
+    call then converts the model."""
+    x = _calibration(150, 24)
+    model = nnx.Sequential(nnx.Linear(24, 10, rngs=nnx.Rngs(0)), nnx.relu,
+                           nnx.Linear(10, 4, rngs=nnx.Rngs(1)))
+    before = [np.asarray(model.layers[i].kernel[...]) for i in (0, 2)]
+    cfg = QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=8))
+    grams = nnx_input_grams(model, cfg, x)
+    with pytest.raises(ValueError, match=r"grams\['layers/2'\].*dividing in=10, got 8"):
+        nnx_quantize(model, cfg, grams=grams)  # GPTQ needs blocks that divide in
+    masked = nnx.Sequential(nnx.Linear(24, 6, rngs=nnx.Rngs(2)),
+                            nnx.Conv(6, 6, (3,), mask=jnp.ones((3, 6, 6)), rngs=nnx.Rngs(3)))
+    with pytest.raises(ValueError, match="has a mask"):
+        nnx_quantize(masked, QuantConfig())
+    assert not jq.is_qtensor(masked.layers[0].kernel[...])
+    for i, k in zip((0, 2), before, strict=True):
+        np.testing.assert_array_equal(model.layers[i].kernel[...], k)  # still float, as before
+    fixed = QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=2))
+    nnx_quantize(model, fixed, grams=nnx_input_grams(model, fixed, x))
+    for i, k in zip((0, 2), before, strict=True):
+        want = jq.gptq(k, grams[f"layers/{i}"], dtype=jnp.int4, axis=0, block_size=2)
+        np.testing.assert_array_equal(model.layers[i].kernel[...].qvalue, want.qvalue)

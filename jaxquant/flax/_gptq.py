@@ -6,7 +6,8 @@ records through a method interceptor (`linen_input_grams`), nnx through a
 recording ``dot_general`` (`GramRecorder`) put on the layer for the call.
 `gptq_kernel` turns a float kernel into the `QTensor` of `jaxquant.gptq` with
 the layer's weight spec, after `check_gptq_layers` has checked that every
-recorded layer can take it.
+recorded layer can take it; `gptq_kernels` does both for every layer at once, so
+that a caller changing a model in place (nnx) changes nothing when one fails.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from jaxquant._schemes import SCHEMES
 from jaxquant._spec import QuantSpec
 from jaxquant.flax._rules import QuantConfig, layer_errors, select
 
-__all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "linen_input_grams",
-           "live_grams", "record_gram"]
+__all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "gptq_kernels",
+           "linen_input_grams", "live_grams", "record_gram"]
 
 
 def record_gram(grams: dict, path: str, x: jax.Array) -> None:
@@ -172,3 +173,23 @@ def gptq_kernel(kernel: jax.Array, gram: jax.Array, spec: QuantSpec, path: str) 
         qt = gptq(kernel, gram, dtype=spec.dtype, axis=spec.axis, block_size=spec.block_size,
                   symmetric=spec.symmetric)
     return pack(qt) if spec.packed else qt
+
+
+def gptq_kernels(grams: dict, layers: dict[str, tuple[QuantConfig | None, jax.Array]]
+                 ) -> dict[str, QTensor]:
+    """`check_gptq_layers`, then `gptq_kernel` of every float kernel that has a gram.
+
+    Args:
+      grams: ``{path: gram}``.
+      layers: ``{path: (config, kernel)}`` of the model's covered layers.
+
+    Returns:
+      ``{path: QTensor}`` for the paths of ``grams`` whose kernel is not a QTensor yet.
+
+    Raises:
+      TypeError, ValueError: as `check_gptq_layers` and `gptq_kernel`, before any
+        kernel is returned.
+    """
+    check_gptq_layers(grams, {p: (cfg, np.ndim(k)) for p, (cfg, k) in layers.items()})
+    return {p: gptq_kernel(layers[p][1], g, layers[p][0].weight, p) for p, g in grams.items()
+            if not isinstance(layers[p][1], QTensor)}

@@ -25,7 +25,7 @@ from jaxquant._packing import unpack
 from jaxquant._qtensor import is_qtensor
 from jaxquant._schemes import resolve
 from jaxquant.flax._boxes import QuantizedParam, keep_sharding
-from jaxquant.flax._gptq import GramRecorder, check_gptq_layers, gptq_kernel, live_grams
+from jaxquant.flax._gptq import GramRecorder, gptq_kernels, live_grams
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
 from jaxquant.flax._nnx_graph import (
     covered_layers,
@@ -344,10 +344,9 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
       (1, 2)
     """
     layers = list(covered_layers(model, rules))
-    if grams is not None:
-        check_gptq_layers(grams, {p: (cfg, np.ndim(getattr(layer, kernel_name(layer))[...]))
-                                  for p, layer, cfg in layers})
-    boxed: dict = {}  # layers sharing a kernel Variable go on sharing its QuantizedParam
+    solved = {} if grams is None else gptq_kernels(grams, {
+        p: (cfg, getattr(layer, kernel_name(layer))[...]) for p, layer, cfg in layers})
+    planned, kernels = [], {}  # every kernel first: an error leaves the model as it was
     for path, layer, cfg in layers:
         if cfg is None or cfg.weight is None:
             continue
@@ -356,15 +355,11 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
                              f"run on a QTensor kernel; leave it float with a (pattern, None) "
                              f"rule.")
         var, spec = getattr(layer, kernel_name(layer)), cfg.weight
-        kernel = var[...]
+        kernel = kernels.get(id(var), var[...])  # a Variable shared with a layer before
         extra = stacked_axes(path, layer, kernel)  # nnx.vmap-made layers: one QTensor per layer
         if not is_qtensor(kernel):
-            hook = layer.promote_dtype
-            if grams is not None and path in grams:
-                kernel = gptq_kernel(kernel, grams[path], spec, path)
-            else:
-                kernel = _quantize_kernel(path, kernel, spec, hook, extra)
-            var.set_value(kernel)
+            kernels[id(var)] = solved[path] if path in solved else _quantize_kernel(
+                path, kernel, spec, layer.promote_dtype, extra)
         elif kernel.format != resolve(spec.dtype, spec.axis, spec.block_size, None).fmt:
             raise ValueError(f"the {type(layer).__name__} at {path!r} holds a {kernel.format.name}"
                              f" QTensor {kernel_name(layer)} (an earlier nnx_quantize), but its "
@@ -376,6 +371,11 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             raise ValueError(f"the {type(layer).__name__} at {path!r} holds {kernel!r} (an "
                              f"earlier nnx_quantize), but its rule gives weight={spec}; a "
                              f"QTensor is not quantized again: convert the float (or QAT) model.")
+        planned.append((path, layer, cfg, var, extra))
+    boxed: dict = {}  # layers sharing a kernel Variable go on sharing its QuantizedParam
+    for path, layer, cfg, var, extra in planned:
+        if id(var) in kernels and id(var) not in boxed:
+            var.set_value(kernels[id(var)])
         keep_sharding(layer, kernel_name(layer), var, extra, boxed)
         act, where = cfg.act, f"layer {path!r} ({type(layer).__name__})"
         if isinstance(layer, nnx.Embed | nnx.ConvTranspose):  # ops that take no QTensor
