@@ -329,9 +329,9 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
       ValueError: an invalid pattern; a masked convolution; a rule whose weight spec
         is not the one a layer learned its scales for in `nnx_qat`, or whose format or
         layout (axis, block, zero points; packing aside) is not that of a layer's QTensor
-        kernel (converted before); a gram for no covered
-        layer or for a layer GPTQ cannot quantize (see
-        `QuantizedLinen.quantize_params`).
+        kernel (converted before); a gram for no covered layer, for a layer GPTQ
+        cannot quantize (see `QuantizedLinen.quantize_params`) or that `jaxquant.gptq`
+        refuses. Each is raised before any kernel of ``model`` changes.
 
     Example:
       >>> import jax.numpy as jnp
