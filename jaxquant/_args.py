@@ -47,6 +47,9 @@ def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
             f"{argname} must be a floating-point array, got dtype {dt}; "
             f"integer arrays are codes already (wrap them in jaxquant.QTensor)."
         )
+    if np.dtype(dt).name in ("float6_e2m3fn", "float6_e3m2fn"):  # XLA aborts on these
+        raise TypeError(f"{argname} must be an array XLA can hold, got dtype {np.dtype(dt).name}"
+                        f" (float6 exists in NumPy only): cast it to float32 first.")
     return jnp.asarray(x)
 
 

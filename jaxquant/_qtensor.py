@@ -224,8 +224,9 @@ class QTensor:
     def nbytes(self) -> int:
         """The real storage cost in bytes: codes at their bit width, plus scale and zero point.
 
-        Unpacked sub-byte codes are counted as they would be packed (two int4
-        per byte, rounded up once); a `PackedArray` counts the bytes it holds.
+        Unpacked sub-byte codes (and zero points) are counted as they would be
+        packed, as checkpoints store them (two int4 per byte, rounded up once);
+        a `PackedArray` counts the bytes it holds.
         """
         if self.packed:
             codes = self.qvalue.nbytes
@@ -340,10 +341,16 @@ def check_consistent(qt: QTensor, argname: str = "qt") -> None:
         check_consistent(qt.scale, f"{argname}.scale")
 
 
+_SUB_BYTE_BITS = {np.dtype(t): b for t, b in ((jnp.int4, 4), (jnp.uint4, 4), (jnp.int2, 2),
+                                              (jnp.uint2, 2), (jnp.float4_e2m1fn, 4))}
+
+
 def _nbytes(a) -> int:
+    """Bytes of a scale or zero point; sub-byte ones at their bit width (packed on disk)."""
     if isinstance(a, QTensor):
         return a.nbytes
-    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
+    dt = np.dtype(a.dtype)
+    return -(-math.prod(a.shape) * _SUB_BYTE_BITS.get(dt, 8 * dt.itemsize) // 8)
 
 
 def scale_values(qt: QTensor) -> jax.Array:

@@ -7,6 +7,7 @@ Regressions found by fuzzing every public function's arguments with wrong types.
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -165,3 +166,14 @@ def test_pack_axis_error_does_not_offer_none():
         jq.pack(q, axis=None)
     with pytest.raises(TypeError, match=r"^axis must be an int or None, got 'x'\.$"):
         jq.quantize(W, axis="x")
+
+
+@pytest.mark.parametrize("name", ["float6_e2m3fn", "float6_e3m2fn"])
+def test_a_numpy_float6_input_is_a_type_error_naming_it(name):
+    """NumPy holds float6 arrays, XLA aborts on them: refused by name (a tree names the leaf)."""
+    x = np.ones((2, 4), np.float32).astype(getattr(ml_dtypes, name))
+    for fn in (jq.quantize, jq.fake_quant):
+        with pytest.raises(TypeError, match=f"x must be an array XLA can hold, got dtype {name}"):
+            fn(x)
+    with pytest.raises(TypeError, match=f"leaf 'w' \\({name}\\[2, 4\\]\\): x must be an array"):
+        jq.quantize_tree({"w": x})

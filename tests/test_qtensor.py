@@ -80,3 +80,18 @@ def test_repr_of_a_tree_of_placeholders():
     specs = jax.tree.map(lambda a: P(None, "model") if a.ndim == 2 else P("model"), qt)
     text = repr(specs)
     assert "qvalue=P(None, 'model')" in text and "axis=1" in text
+
+
+@pytest.mark.parametrize("dtype", [jnp.uint4, jnp.int4, jnp.uint2, jnp.int2])
+@pytest.mark.parametrize("packed", [False, True])
+def test_nbytes_is_what_a_checkpoint_stores(dtype, packed, tmp_path):
+    """Sub-byte codes and zero points count at their bit width, as safetensors stores them."""
+    safetensors = pytest.importorskip("safetensors.numpy")
+    x = jax.random.normal(jax.random.key(0), (64, 128))
+    qt = jq.quantize(x, dtype=dtype, axis=1, block_size=32, symmetric=False, packed=packed)
+    assert qt.zero_point.shape == (64, 4)
+    jq.save_safetensors(tmp_path / "w.safetensors", {"w": qt})
+    stored = safetensors.load_file(tmp_path / "w.safetensors")
+    assert sorted(stored) == ["w/qvalue", "w/scale", "w/zero_point"]
+    assert qt.nbytes == sum(a.nbytes for a in stored.values())
+    assert stored["w/zero_point"].nbytes == 64 * 4 * jnp.iinfo(dtype).bits // 8
