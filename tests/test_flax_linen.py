@@ -626,3 +626,56 @@ def test_a_spec_that_does_not_fit_a_layer_names_the_layer():
     params = jax.jit(quantize_linen(Two(), QuantConfig()).init)(jax.random.key(0), x)
     with pytest.raises(ValueError, match=r"layer 'head'.*axis must be in \[-2, 2\)"):
         jax.jit(quantize_linen(Two(), rules).quantize_params)(params, x)  # conversion
+
+
+class _DenseRelu(nn.Dense):
+    """A covered layer's subclass with a __call__ of its own."""
+
+    def __call__(self, x):
+        return nn.relu(super().__call__(x)) * 3.0
+
+
+@pytest.mark.parametrize("cfg", [QuantConfig(),
+                                 QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, axis=0,
+                                                                 block_size=2, packed=True)),
+                                 QuantConfig(act=ActSpec())], ids=["int8", "int4p", "w8a8"])
+def test_a_dense_subclass_runs_its_own_call_when_quantized(cfg):
+    x = jax.random.normal(jax.random.key(0), (3, 6))
+    model = _DenseRelu(4)
+    qm = quantize_linen(model, cfg)
+    params = model.init(jax.random.key(1), x)
+    q = qm.quantize_params(params, x)
+    y = qm.apply(q, x)
+    assert np.all(np.asarray(y) >= 0)  # the relu ran
+    if cfg.act is None:  # weight-only: the float model on the dequantized kernel
+        np.testing.assert_allclose(y, model.apply(_dequantized(q), x), rtol=1e-6, atol=1e-6)
+    else:  # int8 x int8: as in training (fake-quantized input and kernel)
+        np.testing.assert_allclose(y, qm.apply(params, x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_subclass_overriding_what_jaxquant_computes_is_refused():
+    """Embed (training and inference) and DenseGeneral / Einsum (inference) are computed by
+    jaxquant itself on a quantized kernel: an override of theirs would be skipped silently."""
+    class MyEmbed(nn.Embed):
+        def __call__(self, t):
+            return super().__call__(t) * 10.0
+
+    class MyGeneral(nn.DenseGeneral):
+        def __call__(self, x):
+            return super().__call__(x) + 1.0
+
+    t, x = jnp.array([1, 2]), jnp.ones((2, 6))
+    embed = quantize_linen(MyEmbed(5, 4), QuantConfig())
+    params = MyEmbed(5, 4).init(jax.random.key(0), t)
+    match = "MyEmbed overrides Embed.__call__, which jaxquant computes itself"
+    with pytest.raises(ValueError, match=match):
+        embed.apply(params, t)
+    with pytest.raises(ValueError, match=match):
+        embed.quantize_params(params, t)
+    general = quantize_linen(MyGeneral(3), QuantConfig())
+    params = MyGeneral(3).init(jax.random.key(0), x)
+    np.testing.assert_allclose(general.apply(params, x), MyGeneral(3).apply(
+        {"params": {**params["params"], "kernel": jq.fake_quant(params["params"]["kernel"],
+                                                                axis=1)}}, x), rtol=1e-6)
+    with pytest.raises(ValueError, match="MyGeneral overrides DenseGeneral.__call__"):
+        general.apply(general.quantize_params(params, x), x)

@@ -21,8 +21,8 @@ from jaxquant._qtensor import is_qtensor, scale_values
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
 from jaxquant.flax._ops import fake_quant_act
 
-__all__ = ["DEQUANTIZED", "check_kernel_shape", "einsum_str", "embed_take", "get_param",
-           "infer", "kernel_shape"]
+__all__ = ["DEQUANTIZED", "check_kernel_shape", "check_not_overridden", "einsum_str",
+           "embed_take", "get_param", "infer", "kernel_shape"]
 
 DEQUANTIZED = nn.ConvTranspose | nn.ConvLocal  # no injectable op: run on the float kernel
 
@@ -146,6 +146,16 @@ def _attend(m, act, qt, args, kwargs):
     return InferDot(None)(q, qt, (((q.ndim - 1,), (1,)), ((), ())))
 
 
+def check_not_overridden(m, method: str) -> None:
+    """A ValueError where ``m``'s class overrides Flax's ``method``, which jaxquant computes
+    itself for this layer (the override would be skipped, silently)."""
+    base = next(c for c in type(m).__mro__ if c.__module__.startswith("flax."))
+    if getattr(type(m), method) is not getattr(base, method):
+        raise ValueError(f"{type(m).__name__} overrides {base.__name__}.{method}, which "
+                         f"jaxquant computes itself for a quantized {base.__name__}, so the "
+                         f"override would not run: leave the layer float (rule -> None).")
+
+
 def infer(m, method: str, act, qt, args, kwargs):
     """A layer with a `QTensor` kernel, without materializing a float kernel.
 
@@ -164,6 +174,12 @@ def infer(m, method: str, act, qt, args, kwargs):
       ValueError: a masked convolution; a QTensor or `ActSpec` the int8 path cannot
         take (the caller puts the layer's path in front).
     """
+    if isinstance(m, nn.Dense) and type(m) is not nn.Dense and method == "__call__":
+        clone = m.clone(parent=m.scope, dot_general=InferDot(act), dot_general_cls=None,
+                        promote_dtype=_promote(m), kernel_init=lambda *a, **k: qt)
+        return clone(*args, **kwargs)  # a subclass: its own __call__ runs
+    if not isinstance(m, nn.Conv | DEQUANTIZED):  # (their clones run the subclass's method)
+        check_not_overridden(m, method)
     if isinstance(m, nn.Embed):
         if method == "attend":
             return _attend(m, act, qt, args, kwargs)

@@ -19,7 +19,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxquant._qtensor import is_qtensor
-from jaxquant.flax._linen_infer import DEQUANTIZED, einsum_str, get_param
+from jaxquant.flax._linen_infer import DEQUANTIZED, check_not_overridden, einsum_str, get_param
 from jaxquant.flax._ops import QATDot, QATPromote, einsum_contract, fake_quant_weight, init_qparams
 from jaxquant.flax._rules import QuantConfig
 
@@ -110,6 +110,7 @@ def qat(m, method: str, cfg: QuantConfig, args, kwargs):
     promote = QATPromote(m.promote_dtype, weight, act, contract(m, args, kwargs), scale,
                          keep_kernel=int8_dot)
     if isinstance(m, nn.Embed):  # set up already: a clone would create its table again
+        check_not_overridden(m, method)
         table = get_param(m, "embedding")  # float (`m.embedding` is fake-quantized: `_setup`)
         if method == "attend":
             query, table = promote(args[0] if args else kwargs["query"], table, dtype=m.dtype)

@@ -221,7 +221,9 @@ class QuantizedLinen:
         array of the `QTensor` stacked on the kernel's stacking axis. Only leading stacking
         axes (``variable_axes={"params": 0}``, Flax's default) have a tree and file form:
         a kernel stacked on a later axis runs with ``apply``, but `jaxquant.dequantize_tree`,
-        `jaxquant.quantization_report` and the checkpoints refuse it. Variables of
+        `jaxquant.quantization_report` and the checkpoints refuse it. The axis is read
+        from the shapes, so a kernel whose stack also reads as leading (``(6, 6)`` layers
+        stacked 6 times on axis 1) is taken as leading: stack such layers on axis 0. Variables of
         `jax.ShapeDtypeStruct` placeholders (``jax.eval_shape(qm.init, ...)``) give
         abstract `QTensor` kernels: a target for `jaxquant.load_safetensors` /
         `jaxquant.load_orbax` without training or quantizing anything. The model's
