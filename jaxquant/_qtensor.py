@@ -232,7 +232,8 @@ class QTensor:
             codes = self.qvalue.nbytes
         else:
             codes = -(-self.size * self.format.bits // 8)
-        extra = 0 if self.zero_point is None else _nbytes(self.zero_point)
+        zp = self.zero_point  # the codes' dtype: at their bit width too
+        extra = 0 if zp is None else -(-math.prod(zp.shape) * self.format.bits // 8)
         return codes + _nbytes(self.scale) + extra
 
     @property
@@ -341,16 +342,10 @@ def check_consistent(qt: QTensor, argname: str = "qt") -> None:
         check_consistent(qt.scale, f"{argname}.scale")
 
 
-_SUB_BYTE_BITS = {np.dtype(t): b for t, b in ((jnp.int4, 4), (jnp.uint4, 4), (jnp.int2, 2),
-                                              (jnp.uint2, 2), (jnp.float4_e2m1fn, 4))}
-
-
 def _nbytes(a) -> int:
-    """Bytes of a scale or zero point; sub-byte ones at their bit width (packed on disk)."""
     if isinstance(a, QTensor):
         return a.nbytes
-    dt = np.dtype(a.dtype)
-    return -(-math.prod(a.shape) * _SUB_BYTE_BITS.get(dt, 8 * dt.itemsize) // 8)
+    return math.prod(a.shape) * np.dtype(a.dtype).itemsize
 
 
 def scale_values(qt: QTensor) -> jax.Array:
