@@ -18,6 +18,7 @@ import jaxquant as jq  # noqa: E402
 from jaxquant.flax import (  # noqa: E402
     ActSpec,
     QuantConfig,
+    nnx_input_grams,
     nnx_layers,
     nnx_qat,
     nnx_quantize,
@@ -404,3 +405,36 @@ def test_nnx_shared_layer_rules_must_agree_across_its_paths():
     nnx_quantize(model, agree)
     assert model.head is model.embed and jq.is_qtensor(model.head.embedding[...])
     np.testing.assert_allclose(run(model, TOKENS), run(ref, TOKENS), atol=1e-5)
+
+
+def test_a_failing_nnx_qat_leaves_the_model_as_it_was():
+    """Rules checked and learned scales initialized for every layer before any is rewired: an
+    error in a later layer keeps the earlier layers' trained scales and the model's output."""
+    class Two(nnx.Module):
+        def __init__(self):
+            rngs = nnx.Rngs(0)
+            self.a, self.b = nnx.Linear(64, 64, rngs=rngs), nnx.Linear(64, 48, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(self.a(x))
+
+    model, x = Two(), jax.random.normal(jax.random.key(1), (3, 64))
+    nnx_qat(model, QuantConfig(learn_scale=True))
+    before, promotes = model(x), (model.a.promote_dtype, model.b.promote_dtype)
+    bad = [("a", QuantConfig(act=ActSpec())),
+           ("b", QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, axis=2), learn_scale=True))]
+    with pytest.raises(ValueError, match="layer 'b' .*axis"):
+        nnx_qat(model, bad)
+    assert (model.a.promote_dtype, model.b.promote_dtype) == promotes
+    np.testing.assert_array_equal(model(x), before)
+
+
+def test_input_grams_of_a_linear_subclass():
+    class MyLinear(nnx.Linear):
+        pass
+
+    x = jax.random.normal(jax.random.key(1), (32, 16))
+    grams = [nnx_input_grams(nnx.Sequential(cls(16, 8, rngs=nnx.Rngs(0))), QuantConfig(), x)
+             for cls in (nnx.Linear, MyLinear)]
+    assert list(grams[1]) == ["layers/0"]
+    np.testing.assert_array_equal(grams[1]["layers/0"], grams[0]["layers/0"])

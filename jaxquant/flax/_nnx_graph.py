@@ -16,14 +16,16 @@ from collections.abc import Iterator
 
 import flax.linen as nn
 import jax
+import numpy as np
 from flax import nnx
 from flax.nnx import graph
 
+from jaxquant._packing import unpack
 from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._rules import QuantConfig, Rules, check_rules, select
 
-__all__ = ["LAYERS", "covered_layers", "kernel_name", "kernel_shape", "layer_paths", "stack",
-           "stacked_axes"]
+__all__ = ["LAYERS", "covered_layers", "kernel_name", "kernel_shape", "layer_paths",
+           "spec_layout", "stack", "stacked_axes"]
 
 LAYERS = (nnx.Linear, nnx.LinearGeneral, nnx.Conv, nnx.ConvTranspose, nnx.Einsum, nnx.Embed)
 
@@ -136,3 +138,12 @@ def stack(fn, extra: int):
     for _ in range(extra):
         fn = jax.vmap(fn)
     return fn
+
+
+def spec_layout(qt) -> tuple:
+    """What a QTensor's spec decides, storage aside: its leaves' shapes and dtypes (unpacked),
+    its axis (non-negative), block and codebook."""
+    qt = jax.eval_shape(unpack, qt)
+    axis = None if qt.axis is None else qt.axis % max(qt.ndim, 1)
+    return ([(tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree.leaves(qt)], axis,
+            qt.block_size, qt.codebook)

@@ -16,12 +16,10 @@ import dataclasses
 import functools
 
 import jax
-import numpy as np
 from flax import nnx
 from flax.nnx.nn.dtypes import promote_dtype as nnx_promote_dtype
 
 from jaxquant._dot import promote_dtype as q_promote_dtype
-from jaxquant._packing import unpack
 from jaxquant._qtensor import is_qtensor
 from jaxquant._schemes import resolve
 from jaxquant.flax._boxes import QuantizedParam, keep_sharding
@@ -31,6 +29,7 @@ from jaxquant.flax._nnx_graph import (
     covered_layers,
     kernel_name,
     layer_paths,
+    spec_layout,
     stack,
     stacked_axes,
 )
@@ -176,6 +175,12 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
         QuantConfig | None)`` pairs on ``/``-joined attribute paths
         (``blocks/0/linear``); first match wins, ``None`` keeps a layer float.
 
+    A layer is rewired through the ops Flax's layers call (``promote_dtype``,
+    ``dot_general``, ``einsum_op``, ``conv_general_dilated``): a subclass whose own
+    ``__call__`` computes with its kernel directly trains in float. Stacks of
+    layers (``nnx.vmap``) are read from the kernel's shape: one stacked on a later
+    axis whose shape also reads as leading is taken as leading.
+
     Returns:
       ``model`` itself. Parameters are untouched; ``learn_scale=True`` adds an
       ``nnx.Param`` scale (and zero point) per layer (see `LearnedScale`; layers
@@ -185,7 +190,8 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
-      ValueError: an invalid pattern; a selected layer with a QTensor kernel.
+      ValueError: an invalid pattern; a selected layer with a QTensor kernel; a
+        spec that does not fit a layer. Each before any layer changes.
 
     Example:
       >>> import jax.numpy as jnp
@@ -195,14 +201,24 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
       >>> type(model.promote_dtype).__name__
       'QATPromote'
     """
-    learned: dict = {}  # {id(kernel Variable): (Variable, its LearnedScale)}
-    for path, layer, cfg in list(covered_layers(model, rules)):
-        if is_qtensor(getattr(layer, kernel_name(layer))[...]):
+    layers, inits = list(covered_layers(model, rules)), {}
+    for path, layer, cfg in layers:  # what can fail, before the model changes
+        var = getattr(layer, kernel_name(layer))
+        if is_qtensor(var[...]):
             if cfg is None:
                 continue
             raise ValueError(f"the {type(layer).__name__} at {path!r} has a QTensor "
                              f"{kernel_name(layer)} (from nnx_quantize); quantization-aware "
                              f"training needs its float {kernel_name(layer)}.")
+        if cfg is not None and cfg.learn_scale and id(var) not in inits:
+            init = stack(functools.partial(init_qparams, spec=cfg.weight),
+                         stacked_axes(path, layer, var[...]))
+            with layer_errors(f"layer {path!r} ({type(layer).__name__})"):
+                inits[id(var)] = init(var[...])
+    learned: dict = {}  # {id(kernel Variable): (Variable, its LearnedScale)}
+    for path, layer, cfg in layers:
+        if is_qtensor(getattr(layer, kernel_name(layer))[...]):
+            continue
         _unwire(layer)
         if cfg is None or (cfg.weight is None and cfg.act is None):
             continue
@@ -226,10 +242,7 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
                 layer.promote_dtype = nnx.data(LearnedScale(promote, first.scale,
                                                             first.zero_point))
                 continue
-            init = stack(functools.partial(init_qparams, spec=weight),
-                          stacked_axes(path, layer, var[...]))
-            with layer_errors(where):
-                layer.promote_dtype = nnx.data(LearnedScale(promote, *init(var[...])))
+            layer.promote_dtype = nnx.data(LearnedScale(promote, *inits[id(var)]))
             learned[id(var)] = (var, layer.promote_dtype)
         else:
             layer.promote_dtype = nnx.static(promote)
@@ -265,7 +278,7 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
     grams: dict = {}
     hooked = []
     for path, layer, cfg in list(covered_layers(model, rules)):
-        if type(layer) is nnx.Linear and cfg is not None and cfg.weight is not None:
+        if isinstance(layer, nnx.Linear) and cfg is not None and cfg.weight is not None:
             hooked.append((layer, layer.dot_general))
             layer.dot_general = GramRecorder(layer.dot_general, grams, path)
     try:
@@ -274,15 +287,6 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
         for layer, dot in hooked:
             layer.dot_general = dot
     return live_grams(grams)
-
-
-def _layout(qt) -> tuple:
-    """What a QTensor's spec decides, storage aside: its leaves' shapes and dtypes (unpacked),
-    its axis (non-negative), block and codebook."""
-    qt = jax.eval_shape(unpack, qt)
-    axis = None if qt.axis is None else qt.axis % max(qt.ndim, 1)
-    return ([(tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree.leaves(qt)], axis,
-            qt.block_size, qt.codebook)
 
 
 def _quantize_kernel(path: str, kernel, spec, hook, extra: int):
@@ -365,7 +369,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
                              f" QTensor {kernel_name(layer)} (an earlier nnx_quantize), but its "
                              f"rule gives weight dtype {spec.dtype}; a QTensor is not quantized "
                              f"again: convert the float (or QAT) model.")
-        elif _layout(kernel) != _layout(jax.eval_shape(
+        elif spec_layout(kernel) != spec_layout(jax.eval_shape(
                 lambda k: stack(spec, extra)(k),  # noqa: B023 (called at once)
                 jax.ShapeDtypeStruct(kernel.shape, kernel.dtype))):
             raise ValueError(f"the {type(layer).__name__} at {path!r} holds {kernel!r} (an "
