@@ -121,7 +121,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
             raise ValueError(f"tree key {_RESERVED!r}: safetensors reserves that tensor name for "
                              f"the file's metadata, so the file could not be read; rename it.")
         meta = header_metadata(header, metadata)
-        tmp = f"{path}.tmp{os.getpid()}.{threading.get_ident()}"
+        # beside the file (os.replace stays in one file system), a short name: a long
+        # file name plus a suffix could pass the file system's limit
+        tmp = os.path.join(parent, f".jaxquant-{os.getpid()}-{threading.get_ident()}.tmp")
         bar.set_postfix_str("writing")
         try:
             safetensors.numpy.save_file(tensors, tmp, metadata=meta)

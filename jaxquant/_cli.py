@@ -144,6 +144,16 @@ def _first_line(e: BaseException) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
+def _user_metadata(path: str) -> dict[str, str]:
+    """IN's own ``__metadata__`` entries (jaxquant's header aside), carried into OUT."""
+    from safetensors import safe_open
+
+    from jaxquant._serialization import HEADER_KEY
+
+    with safe_open(path, "np") as f:  # read already by _load: a readable safetensors file
+        return {k: v for k, v in (f.metadata() or {}).items() if not k.startswith(HEADER_KEY)}
+
+
 def _quantize(args) -> int:
     import jax
 
@@ -177,7 +187,8 @@ def _quantize(args) -> int:
             out.append(leaf)
     qtree = jax.tree_util.tree_unflatten(treedef, out)
     try:
-        save_safetensors(target, qtree, progress=not args.quiet)
+        save_safetensors(target, qtree, metadata=_user_metadata(args.input),
+                         progress=not args.quiet)
     except Exception as e:  # OSError, or safetensors' own error type
         raise _Fail(f"{args.output}: cannot write: {str(e).splitlines()[0]}") from None
     _out(format_report(quantization_report(tree, qtree)))

@@ -154,7 +154,8 @@ def fake_quant(
     """
     check_flags(symmetric=symmetric, saturate=saturate, lsq_grad_scale=lsq_grad_scale,
                 double_quant=double_quant)
-    r = resolve(dtype, axis, block_size, scale_dtype, explicit=scale is not None)
+    r = resolve(dtype, axis, block_size, scale_dtype, explicit=scale is not None,
+                double_quant=double_quant)
     fmt, axis, block_size = r.fmt, r.axis, r.block_size
     x = as_float_input(x)
     key = _check_key(key)

@@ -161,7 +161,8 @@ def quantize(
       4.25
     """
     check_flags(symmetric=symmetric, saturate=saturate, packed=packed, double_quant=double_quant)
-    r = resolve(dtype, axis, block_size, scale_dtype, explicit=scale is not None)
+    r = resolve(dtype, axis, block_size, scale_dtype, explicit=scale is not None,
+                double_quant=double_quant)
     fmt, axis, block_size = r.fmt, r.axis, r.block_size
     x = as_float_input(x)
     packed = bool(packed)

@@ -95,7 +95,8 @@ class Resolved:
     scale_dtype: DTypeLike | None
 
 
-def resolve(dtype, axis, block_size, scale_dtype, explicit: bool = False) -> Resolved:
+def resolve(dtype, axis, block_size, scale_dtype, explicit: bool = False,
+            double_quant: bool = False) -> Resolved:
     """The element format and granularity that ``dtype`` (a format or scheme name) selects.
 
     With ``explicit`` (a scale is given), codebooks (``"nf4"``, ``"fp4"``) take
@@ -104,10 +105,16 @@ def resolve(dtype, axis, block_size, scale_dtype, explicit: bool = False) -> Res
 
     Raises:
       TypeError: unknown format, a ``scale_dtype`` that is not a dtype.
-      ValueError: a block length or scale dtype that contradicts a scheme.
+      ValueError: a block length, scale dtype or ``double_quant`` that contradicts a
+        scheme.
     """
     name = dtype if isinstance(dtype, str) else None
     scheme = SCHEMES.get(name) if name else None
+    if double_quant and name == "nvfp4":
+        raise ValueError("nvfp4 has one float32 scale per tensor over its float8 block scales; "
+                         "double_quant (one per 256 block scales) is another format: pass "
+                         "dtype=jnp.float4_e2m1fn, axis=-1, block_size=16, "
+                         "scale_dtype=jnp.float8_e4m3fn for it.")
     if scheme is None:
         return Resolved(get_format(dtype), axis, block_size, scale_dtype)
     if scheme.fixed_block and block_size not in (None, scheme.block_size):

@@ -102,7 +102,8 @@ class QuantSpec:
                            if isinstance(b, list | tuple) else as_int(b))
         if self.scale_dtype is not None:
             object.__setattr__(self, "scale_dtype", as_dtype(self.scale_dtype, "scale_dtype"))
-        r = resolve(self.dtype, self.axis, self.block_size, self.scale_dtype)
+        r = resolve(self.dtype, self.axis, self.block_size, self.scale_dtype,
+                    double_quant=self.double_quant)
         if isinstance(r.block_size, tuple):
             for b in r.block_size:
                 if isinstance(b, bool) or not isinstance(b, int) or b <= 0:

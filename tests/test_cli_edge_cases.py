@@ -231,3 +231,34 @@ def test_closed_stderr_neither_crashes_nor_leaks_into_stdout(src, tmp_path, caps
     assert "warning" not in out and "error" not in out and "%|" not in out, out
     assert out.splitlines()[-1] == f"wrote {dst}" and err == ""
     assert jq.is_qtensor(jq.load_safetensors(dst)["w"])
+
+
+def test_quantize_keeps_the_input_files_metadata(tmp_path):
+    """A checkpoint's own __metadata__ (a torch file's "format", a model name) goes into OUT
+    beside jaxquant's header; re-quantizing a jaxquant file keeps its user entries too."""
+    sn = pytest.importorskip("safetensors.numpy")
+    from safetensors import safe_open
+
+    src, dst, again = (str(tmp_path / n) for n in ("in.safetensors", "q.safetensors",
+                                                    "q2.safetensors"))
+    sn.save_file({"w": np.ones((4, 8), np.float32)}, src, metadata={"format": "pt", "m": "x"})
+    assert _cli.main(["quantize", src, dst, "--quiet"]) == 0
+    with safe_open(dst, "np") as f:
+        meta = f.metadata()
+    assert {k: meta[k] for k in ("format", "m")} == {"format": "pt", "m": "x"}
+    assert jq.is_qtensor(jq.load_safetensors(dst)["w"])
+    assert _cli.main(["quantize", dst, again, "--quiet", "--rules", "w=int4"]) == 0
+    with safe_open(again, "np") as f:
+        assert {k: f.metadata()[k] for k in ("format", "m")} == {"format": "pt", "m": "x"}
+
+
+def test_an_output_with_a_long_file_name_is_written(tmp_path):
+    """The temporary file beside OUT has a short name of its own (OUT's name plus a suffix
+    passed the file system's 255-byte limit)."""
+    sn = pytest.importorskip("safetensors.numpy")
+    src = str(tmp_path / "in.safetensors")
+    sn.save_file({"w": np.ones((4, 8), np.float32)}, src)
+    dst = str(tmp_path / ("o" * 235 + ".safetensors"))  # 247 bytes: a valid name
+    assert _cli.main(["quantize", src, dst, "--quiet"]) == 0
+    assert jq.is_qtensor(jq.load_safetensors(dst)["w"])
+    assert sorted(os.listdir(tmp_path)) == sorted(["in.safetensors", os.path.basename(dst)])

@@ -206,6 +206,7 @@ def test_scaled_matmul_errors():
     (dict(dtype=jnp.float4_e2m1fn, axis=-1, block_size=32, scale_dtype=jnp.int8), TypeError,
      "scale_dtype must be"),
     (dict(dtype="mxfp4", scale_rounding="up"), ValueError, "scale_rounding"),
+    (dict(dtype="nvfp4", double_quant=True), ValueError, "nvfp4 has one float32 scale per"),
 
     (dict(dtype="mxint8", symmetric=False), ValueError, "symmetric"),
     (dict(dtype="nf4", double_quant=True, axis=None, block_size=None), None, None),
