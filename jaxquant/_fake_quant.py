@@ -52,7 +52,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
@@ -229,27 +228,24 @@ def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
     rounds (to nearest even, without a largest value) to at most the largest
     finite value: below the midpoint to the next binade step, or on it when the
     tie goes to the largest value (an even last mantissa bit: float8_e4m3fn's
-    448; float8_e5m2's 57344 and float4's 6 round up). Without saturation
-    (float8 only: float4 always saturates) nothing is clipped. The float6
-    tables round as IEEE floats, so they get the same test (their largest value
-    has an odd last mantissa bit: 7.75 and 30 clip); the other codebooks (NF4,
-    FP4) have no step beyond their largest value and clip above it.
+    448; float8_e5m2's 57344, float4's 6 and float6's 7.5 and 28 round up).
+    Without saturation (float8 only: float4 and float6 always saturate) nothing
+    is clipped. The other codebooks (NF4, FP4) have no step beyond their largest
+    value and clip above it.
     """
     if fmt.is_integer or (fmt.is_codebook and fmt.ties != "even"):
         return (raw >= fmt.qmin) & (raw <= fmt.qmax)
-    if fmt.is_codebook:  # an IEEE table: its top step, and the top code's last bit
-        top = float(fmt.max_finite)
-        below = max(abs(v) for v in fmt.values if abs(v) < top)
-        half_gap, mantissa = (top - below) / 2, fmt.values.index(top)
-    elif not saturate:
+    if not saturate and not fmt.is_codebook:
         return ~jnp.isnan(raw)
+    top = float(fmt.max_finite)  # its code and the one below it (float6: table indices)
+    if fmt.is_codebook:
+        code = fmt.values.index(top)
+        below = fmt.values[code - 1]
     else:
-        info = ml_dtypes.finfo(fmt.dtype)
-        top = float(info.max)
-        half_gap = 2.0 ** (np.floor(np.log2(top)) - int(info.nmant) - 1)
-        mantissa = int(round(top / 2.0 ** np.floor(np.log2(top)) * 2 ** int(info.nmant)))
-    edge, a = jnp.float32(top + half_gap), jnp.abs(raw)
-    return (a < edge) | ((a == edge) & (mantissa % 2 == 0))
+        code = int(np.array(top, fmt.dtype).view(np.uint8))
+        below = float(np.array(code - 1, np.uint8).view(fmt.dtype))
+    edge, a = jnp.float32(top + (top - below) / 2), jnp.abs(raw)
+    return (a < edge) | ((a == edge) & (code % 2 == 0))  # the code's last bit: the mantissa's
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
