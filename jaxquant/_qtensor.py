@@ -224,17 +224,13 @@ class QTensor:
     def nbytes(self) -> int:
         """The real storage cost in bytes: codes at their bit width, plus scale and zero point.
 
-        Unpacked sub-byte codes (and zero points) are counted as they would be
-        packed, as checkpoints store them (two int4 per byte, rounded up once);
-        a `PackedArray` counts the bytes it holds.
+        Unpacked sub-byte codes and zero points count as checkpoints store them,
+        packed (two int4 per byte, rounded up once); a `PackedArray` its bytes.
         """
-        if self.packed:
-            codes = self.qvalue.nbytes
-        else:
-            codes = -(-self.size * self.format.bits // 8)
-        zp = self.zero_point  # the codes' dtype: at their bit width too
-        extra = 0 if zp is None else -(-math.prod(zp.shape) * self.format.bits // 8)
-        return codes + _nbytes(self.scale) + extra
+        packed = lambda n: -(-n * self.format.bits // 8)  # noqa: E731
+        codes = self.qvalue.nbytes if self.packed else packed(self.size)
+        zp = 0 if self.zero_point is None else packed(math.prod(self.zero_point.shape))
+        return codes + _nbytes(self.scale) + zp
 
     @property
     def bits_per_element(self) -> float:
