@@ -176,6 +176,13 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
       ...
       ValueError: ...: 'w': shape mismatch: the target expects (3, 2), the file holds (2, 3).
     """
+    return read_safetensors(path, target, allow_plain=allow_plain, progress=progress)
+
+
+def read_safetensors(path: str | os.PathLike, target: Any = None, *, allow_plain: bool = False,
+                     progress: bool = False, flat: bool = False) -> Any:
+    """`load_safetensors`; with ``flat`` (and no target) a dict from each stored leaf's
+    ``/``-joined path to the leaf, for files whose paths do not nest (``a`` and ``a/b``)."""
     safetensors = _safetensors()
     where = os.fspath(path)
     if os.path.isdir(where):
@@ -211,7 +218,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
         return np.frombuffer(v["data"], storage(spec)[0]).reshape(storage(spec)[1])
 
     with progress_bar(total=len(stored), enabled=progress, desc="loading", unit="tensor") as bar:
-        return rebox_records(target, build(where, header, items, treedef, get))
+        return rebox_records(target, build(where, header, items, treedef, get, flat))
 
 
 def _plain_header(where: str, stored: dict[str, tuple[str, list[int]]]) -> dict:

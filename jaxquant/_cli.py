@@ -9,8 +9,10 @@ quantized OUT (SQNR, largest error). ``jaxquant demo`` trains, quantizes and
 runs a small model. ``quantize`` and ``demo`` show progress bars on stderr (when
 tqdm is installed); ``--quiet`` turns them off.
 
-Rules, one ``--rules`` argument each, tried in order (the first whose REGEX
-`re.search` finds in a tensor's name wins; unmatched tensors are kept)::
+Rules, one ``--rules`` argument each (before or after IN OUT), tried in order (the
+first whose REGEX `re.search` finds in a tensor's name wins; unmatched tensors are
+kept). A tensor's name is the file's own key, ``/`` and all (``a`` and ``a/b`` are
+two tensors)::
 
     RULE   := REGEX "=" SPEC            (split at the first "=")
     SPEC   := "none" | FORMAT (":" OPTION)*
@@ -74,8 +76,10 @@ class _Fail(Exception):
 
 
 def _load(path: str):
-    """The tree of the safetensors file ``path``; `_Fail` if it cannot be read as one."""
-    from jaxquant._checkpoint import load_safetensors
+    """The tensors of the safetensors file ``path`` by name (a `QTensor` under its path in a
+    jaxquant file); `_Fail` if it cannot be read as one. Names are not nested into dicts: a
+    plain file may hold both ``a`` and ``a/b``."""
+    from jaxquant._checkpoint import read_safetensors
 
     if os.path.isdir(path):
         raise _Fail(f"{path}: is a directory, not a file")
@@ -85,7 +89,7 @@ def _load(path: str):
         raise _Fail(f"{path}: is not a regular file (a device, a pipe or a socket); give "
                     f"the path of a safetensors file")
     try:
-        return load_safetensors(path, allow_plain=True)
+        return read_safetensors(path, allow_plain=True, flat=True)
     except (ImportError, TypeError, ValueError) as e:
         raise _Fail(str(e).splitlines()[0]) from None
     except OSError as e:  # unreadable (permissions, I/O error, a device)
@@ -253,6 +257,30 @@ def _drop_stdout() -> None:
         pass
 
 
+def _rules_last(argv: list[str]) -> list[str]:
+    """``argv`` with IN and OUT taken out of a ``--rules`` list that came before them.
+
+    ``--rules`` takes every following word, so in ``quantize --rules w=int8 IN OUT`` argparse
+    would read IN and OUT as rules. While IN or OUT is missing, the last words of ``--rules``
+    lists that hold no ``=`` (a rule has one) are put back as positional arguments.
+    """
+    if not argv or argv[0] != "quantize" or "--" in argv:  # after "--": positional already
+        return argv
+    kinds, in_rules = [], False  # per word: "option", "rule" or "positional"
+    for word in argv[1:]:
+        if word.startswith("-"):
+            in_rules = word == "--rules"
+            kinds.append("option")
+        else:
+            kinds.append("rule" if in_rules else "positional")
+    missing = 2 - kinds.count("positional")
+    stray = [i for i, k in enumerate(kinds) if k == "rule" and "=" not in argv[1 + i]]
+    moved = set(stray[len(stray) - missing:]) if missing > 0 else set()
+    first = [i in moved or k == "positional" for i, k in enumerate(kinds)]  # IN, OUT in order
+    return ([argv[0]] + [w for w, f in zip(argv[1:], first, strict=True) if f]
+            + [w for w, f in zip(argv[1:], first, strict=True) if not f])
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``jaxquant`` console script and ``python -m jaxquant``.
 
@@ -277,8 +305,8 @@ def main(argv: list[str] | None = None) -> int:
     q.add_argument("input", metavar="IN", help="a safetensors file (plain or jaxquant)")
     q.add_argument("output", metavar="OUT", help="the jaxquant safetensors file to write")
     q.add_argument("--rules", nargs="+", metavar="REGEX=SPEC", action="extend",
-                   help="rules, first match wins, after IN OUT (SPEC: none, int8, int8:axis=0, "
-                        "int4:block=32:packed, float8_e4m3fn, ...; see above)")
+                   help="rules, first match wins, before or after IN OUT (SPEC: none, int8, "
+                        "int8:axis=0, int4:block=32:packed, float8_e4m3fn, ...; see above)")
     q.add_argument("--quiet", action="store_true", help="no progress bars")
     r = sub.add_parser("report", help="per-tensor table of a file, or of IN against OUT")
     r.add_argument("input", metavar="IN", help="a safetensors file (the float one, with OUT)")
@@ -287,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
                                        "every format, run it quantized, print a table")
     demo.add_argument("--steps", type=int, default=1500, help="training steps (default 1500)")
     demo.add_argument("--quiet", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(_rules_last(sys.argv[1:] if argv is None else list(argv)))
     if args.command == "demo" and args.steps < 1:
         parser.error(f"--steps must be a positive integer, got {args.steps}")
     try:

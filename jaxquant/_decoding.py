@@ -105,8 +105,11 @@ def _unpacker(sharding):
     return jax.jit(_unpack, static_argnums=(1, 2, 3, 4), **out)
 
 
-def build(where: str, header: dict, items: list, treedef, get) -> Any:
-    """The tree from a checked plan; ``get(name)`` returns a verified stored tensor."""
+def build(where: str, header: dict, items: list, treedef, get, flat: bool = False) -> Any:
+    """The tree from a checked plan; ``get(name)`` returns a verified stored tensor.
+
+    Without a target (``treedef`` None) the leaves are nested dicts of their paths, or with
+    ``flat`` one dict from each ``/``-joined path to its leaf (which cannot collide)."""
     specs, out = header["tensors"], []
     for path, entry, t in items:
         where_to = {k: sharding_of(v, where, k) for k, v in placements(path, entry, t).items()}
@@ -121,7 +124,8 @@ def build(where: str, header: dict, items: list, treedef, get) -> Any:
         out.append(_build_qtensor(where, path, entry, t, load))
     if treedef is not None:
         return jax.tree_util.tree_unflatten(treedef, out)
-    return nest(where, dict(zip([p for p, _, _ in items], out, strict=True)))
+    leaves = dict(zip([p for p, _, _ in items], out, strict=True))
+    return leaves if flat else nest(where, leaves)
 
 
 def _build_qtensor(where: str, path: str, entry: dict, t, load, prefix: str = "") -> QTensor:

@@ -152,3 +152,51 @@ def test_demo_with_too_little_source_is_a_one_line_error(tmp_path, monkeypatch, 
     assert _cli.main(["demo", "--steps", "1", "--quiet"]) == 1
     _one_error(capsys, "demo", r"too little Python source under .*: 5,?\d* train and 9 "
                                r"validation bytes, at least 18 each needed$")
+
+
+def test_plain_file_with_names_a_and_a_slash_b_is_quantized_and_reported(tmp_path, capsys):
+    # Tensor names are names: "a" and "a/b" are two tensors, not a leaf and a dict below it.
+    rng = np.random.default_rng(0)
+    tensors = {"a": rng.standard_normal((8, 16)).astype(np.float32),
+               "a/b": rng.standard_normal((4, 32)).astype(np.float32)}
+    src, out = str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")
+    safetensors_numpy.save_file(tensors, src)
+    assert _cli.main(["quantize", src, out, "--quiet", "--rules", "a/b=int4:block=16",
+                      "a=int8"]) == 0
+    table = capsys.readouterr().out
+    assert re.search(r"^a\s+\(8, 16\)\s+int8", table, re.M), table
+    assert re.search(r"^a/b\s+\(4, 32\)\s+int4", table, re.M), table
+    with pytest.raises(ValueError, match="collides"):  # nested dicts cannot hold both
+        jq.load_safetensors(out)
+    target = {"a": jax.eval_shape(lambda: jq.quantize(jnp.asarray(tensors["a"]), axis=-1)),
+              "a/b": jax.eval_shape(lambda: jq.quantize(jnp.asarray(tensors["a/b"]),
+                                                        dtype=jnp.int4, axis=-1, block_size=16))}
+    loaded = jq.load_safetensors(out, target)
+    for name, x in tensors.items():
+        want = jq.quantize(jnp.asarray(x), **({"axis": -1} if name == "a" else
+                                             {"dtype": jnp.int4, "axis": -1, "block_size": 16}))
+        np.testing.assert_array_equal(loaded[name].qvalue, want.qvalue)
+    assert _cli.main(["report", src, out]) == 0
+    assert re.search(r"^a/b\s+\(4, 32\)\s+int4", capsys.readouterr().out, re.M)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--rules", "w=int4", "IN", "OUT"],
+    ["IN", "--rules", "w=int4", "OUT", "--quiet"],
+    ["--quiet", "--rules", "x=int8", "--rules", "w=int4", "IN", "OUT"],
+    ["--rules", "w=int4", "--", "IN", "OUT"],
+])
+def test_rules_may_come_before_in_and_out(src, tmp_path, capsys, argv):
+    out = str(tmp_path / "out.safetensors")
+    argv = [src if a == "IN" else out if a == "OUT" else a for a in argv]
+    assert _cli.main(["quantize", *argv]) == 0, capsys.readouterr().err
+    assert re.search(r"^w\s+\(8, 16\)\s+int4", capsys.readouterr().out, re.M)
+    assert jq.load_safetensors(out)["w"].qvalue.dtype == jnp.int4
+
+
+def test_a_path_holding_an_equals_sign_after_rules_is_read_as_a_rule(src, tmp_path, capsys):
+    # The one case the reordering cannot tell apart: argparse's own usage error, exit 2.
+    with pytest.raises(SystemExit) as e:
+        _cli.main(["quantize", "--rules", "w=int4", src, str(tmp_path / "o=1.safetensors")])
+    assert e.value.code == 2
+    assert "required: OUT" in capsys.readouterr().err
