@@ -9,7 +9,10 @@ runs dots on `QTensor` operands (int8 x int8 -> int32, weight-only int8/int4/fp8
 `save_safetensors` / `load_safetensors` store such trees bit for bit.
 """
 
-from jaxquant import calibration
+from jaxquant import (
+    _export,  # noqa: F401  (registers QTensor, PackedArray with jax.export)
+    calibration,
+)
 from jaxquant._checkpoint import load_orbax, load_safetensors, save_orbax, save_safetensors
 from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general
 from jaxquant._einsum import qeinsum

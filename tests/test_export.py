@@ -44,3 +44,39 @@ def test_symbolic_batch_exports_for_cpu_and_cuda(name):
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8),
                                       np.asarray(want).view(np.uint8))
+
+
+_RECORDS = {
+    "int8 per channel": dict(axis=1),
+    "uint8 with a zero point": dict(dtype=jnp.uint8, axis=0, symmetric=False),
+    "packed int4 blocks": dict(dtype=jnp.int4, axis=0, block_size=32, packed=True),
+    "int8 tiles": dict(axis=None, block_size=(16, 8)),
+    "nf4 codebook, packed": dict(dtype="nf4", axis=1, block_size=32, packed=True),
+    "packed float6": dict(dtype="float6_e2m3fn", axis=1, packed=True),
+    "nvfp4 (two-level scales)": dict(dtype="nvfp4", packed=True),
+    "float8 with bfloat16 dtype": dict(dtype=jnp.float8_e4m3fn, axis=1),
+}
+
+
+@pytest.mark.parametrize("name", list(_RECORDS))
+def test_serialized_export_takes_and_returns_qtensors(name):
+    # QTensor / PackedArray arguments and results are in the calling convention that
+    # `serialize` writes; the deserialized function accepts the same records, bit for bit.
+    w = jnp.asarray(_W, jnp.bfloat16 if "bfloat16" in name else jnp.float32)
+    q = jq.quantize(w, **_RECORDS[name])
+    x = np.random.default_rng(2).standard_normal((3, 64)).astype(np.float32)
+
+    def fn(x, q):
+        return jq.qdot_general(x, q, DN), jq.quantize(jq.dequantize(q), **_RECORDS[name])
+
+    exported = jax.export.export(jax.jit(fn))(x, q)
+    back = jax.export.deserialize(exported.serialize())
+    assert back.in_tree == exported.in_tree and back.out_tree == exported.out_tree
+    (got_y, got_q), (want_y, want_q) = back.call(x, q), jax.jit(fn)(x, q)
+    np.testing.assert_array_equal(np.asarray(got_y).view(np.uint8),
+                                  np.asarray(want_y).view(np.uint8))
+    assert jax.tree.structure(got_q) == jax.tree.structure(want_q)
+    for a, b in zip(jax.tree.leaves(got_q), jax.tree.leaves(want_q), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
+                                      np.asarray(b).reshape(-1).view(np.uint8))
