@@ -44,17 +44,16 @@ def _check_packable(dtype, argname: str) -> int:
         raise TypeError(f"{argname}: codebook {fmt.name} codes are {fmt.dtype.name} indices; "
                         f"pass {fmt.dtype.name}.")
     if fmt.bits not in (2, 4):
-        raise TypeError(
-            f"{argname}: only 2- and 4-bit formats are packed, got {fmt.name} ({fmt.bits} bits)."
-        )
+        raise TypeError(f"{argname}: only 2- and 4-bit formats are packed, got {fmt.name} "
+                        f"({fmt.bits} bits).")
     return fmt.bits
 
 
 def _shifts(bits: int, ndim: int, axis: int) -> jax.Array:
     """Bit offsets ``0, bits, 2 * bits, ...`` laid along ``axis`` of a rank-``ndim`` array."""
     shape = [1] * ndim
-    shape[axis] = 8 // bits
-    return jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape(shape)
+    return jnp.arange(0, 8, bits, dtype=jnp.uint8).reshape(shape[:axis] + [8 // bits]
+                                                            + shape[axis + 1:])
 
 
 def packed_length(n: int, bits: int) -> int:
@@ -218,6 +217,12 @@ class PackedArray:
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
     axis: int = dataclasses.field(metadata=dict(static=True))
     bits: int | None = dataclasses.field(default=None, metadata=dict(static=True))
+
+    def __post_init__(self):  # `jnp.int4`, `[1, 6]`, `-1` in the forms the records hold
+        n, a = len(self.shape), self.axis
+        for k, v in (("dtype", np.dtype(self.dtype)), ("shape", tuple(self.shape)),
+                     ("axis", a + n if isinstance(a, int | np.integer) and -n <= a < 0 else a)):
+            object.__setattr__(self, k, v)
 
     @property
     def ndim(self) -> int:

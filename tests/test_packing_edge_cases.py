@@ -66,3 +66,20 @@ def test_format_errors_name_the_argument():
 def test_unpack_bits_length_must_be_an_int(length):
     with pytest.raises(TypeError, match=re.escape(f"length must be an int, got {length!r}")):
         jq.unpack_bits(jnp.zeros(3, jnp.uint8), jnp.int4, length)
+
+
+def test_packed_array_by_hand_takes_the_dtype_shape_and_axis_forms_users_write():
+    # `jnp.int4` (a scalar type), a list shape and a negative axis are the record's np.dtype,
+    # tuple and non-negative axis: dequantize and qdot_general read them as jq.pack's own.
+    codes = jnp.array([[1, -2, 3, 7, -8, 0], [0, 5, -1, 2, 4, -3]], jnp.int4)
+    want = jq.pack(codes, axis=1)
+    p = jq.PackedArray(jq.pack_bits(codes, axis=1), jnp.int4, [2, 6], -1)
+    assert (p.dtype, p.shape, p.axis) == (np.dtype("int4"), (2, 6), 1)
+    assert jax.tree.structure(p) == jax.tree.structure(want)
+    scale = jnp.float32(0.5)
+    np.testing.assert_array_equal(jq.dequantize(jq.QTensor(p, scale)),
+                                  np.asarray(codes, np.float32) * 0.5)
+    x = jnp.ones((3, 2), jnp.float32)
+    np.testing.assert_array_equal(
+        jq.qdot_general(x, jq.QTensor(p, scale), (((1,), (0,)), ((), ()))),
+        x @ (np.asarray(codes, np.float32) * 0.5))
