@@ -13,6 +13,7 @@ from jaxquant import (
     _export,  # noqa: F401  (registers QTensor, PackedArray with jax.export)
     calibration,
 )
+from jaxquant._bits import pack_bits, unpack_bits
 from jaxquant._checkpoint import load_orbax, load_safetensors, save_orbax, save_safetensors
 from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general
 from jaxquant._einsum import qeinsum
@@ -20,7 +21,7 @@ from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import CODEBOOKS, FORMATS, Format, get_format
 from jaxquant._gptq import gptq
 from jaxquant._hadamard import hadamard_transform
-from jaxquant._packing import PackedArray, pack, pack_bits, unpack, unpack_bits
+from jaxquant._packing import PackedArray, pack, unpack
 from jaxquant._qat_dot import QATDotGeneral, qat_dot_general
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize, quantize

@@ -16,8 +16,9 @@ from typing import Any
 import jax
 import numpy as np
 
+from jaxquant._bits import unpack_bits, unpack_fields
 from jaxquant._header import storage
-from jaxquant._packing import PackedArray, unpack_bits, unpack_fields
+from jaxquant._packing import PackedArray, layers_of_packed
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._serialization import block_size_of, crc32, host, join, padding_bits
 
@@ -84,7 +85,7 @@ def _decode(where: str, key: str, spec: dict, data, sharding, keep_packed: bool)
     axis, bits = spec["axis"], spec.get("bits")
     if keep_packed:  # the bytes of stacked layers: one layer's shape and axis
         k = spec.get("stacked", 0)
-        return PackedArray(_put(where, key, data, sharding), dtype, shape[k:], axis - k, bits)
+        return layers_of_packed(_put(where, key, data, sharding), dtype, shape[k:], axis - k, bits)
     if sharding is not None and isinstance(data, jax.Array):
         data = np.asarray(data)  # committed elsewhere (orbax): let jit place the input
     return _unpacker(sharding)(data, dtype, shape, axis, bits)

@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant._packing import PackedArray, packed_length
+from jaxquant._bits import packed_length
+from jaxquant._packing import PackedArray
 from jaxquant._qtensor import is_qtensor
 from jaxquant._serialization import (
     _KINDS,

@@ -27,9 +27,10 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxquant._barriers import int_dot_general
+from jaxquant._bits import sign_extend, split_groups, unpack_fields
 from jaxquant._formats import get_format
 from jaxquant._granularity import expand
-from jaxquant._packing import PackedArray, sign_extend, split_groups, unpack_fields
+from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor, scale_values
 from jaxquant._quantize import dequantize_values
 from jaxquant._rounding import divide, round_to_codes

@@ -20,6 +20,7 @@ from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._args import as_array, as_float_input
 from jaxquant._barriers import keep_rounding
+from jaxquant._bits import pack_bits, pack_fields
 from jaxquant._codebooks import decode
 from jaxquant._cpu_division import scale_factors
 from jaxquant._formats import Format, value_dtype
@@ -30,7 +31,7 @@ from jaxquant._granularity import (
     layout_from_scale,
     squeeze_tensor_scale,
 )
-from jaxquant._packing import PackedArray, pack_bits, pack_fields
+from jaxquant._packing import PackedArray
 from jaxquant._platform_ops import platform_op
 from jaxquant._qtensor import (
     QTensor,

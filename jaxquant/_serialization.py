@@ -24,9 +24,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant._bits import pack_bits, pack_fields
 from jaxquant._formats import FORMATS
 from jaxquant._leaves import stacked_axes
-from jaxquant._packing import PackedArray, pack_bits, pack_fields
+from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import is_record, path_str
 

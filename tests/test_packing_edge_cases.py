@@ -83,3 +83,36 @@ def test_packed_array_by_hand_takes_the_dtype_shape_and_axis_forms_users_write()
     np.testing.assert_array_equal(
         jq.qdot_general(x, jq.QTensor(p, scale), (((1,), (0,)), ((), ()))),
         x @ (np.asarray(codes, np.float32) * 0.5))
+
+
+_BYTES = jnp.array([[0x21, 0x73, 0x08]], jnp.uint8)  # six int4 codes of one row
+
+
+@pytest.mark.parametrize("args, error, message", [
+    ((_BYTES, jnp.int8, (1, 6), 1), TypeError, r"PackedArray dtype: only 2- and 4-bit formats"),
+    ((_BYTES, "nf4", (1, 6), 1), TypeError, r"PackedArray dtype: codebook nf4 codes are uint4"),
+    ((_BYTES.astype(jnp.float32), jnp.int4, (1, 6), 1), TypeError,
+     r"data must be a uint8 array of packed bytes, got float32"),
+    ((np.asarray(_BYTES).tolist(), jnp.int4, (1, 6), 1), TypeError,
+     r"data must be a uint8 array of packed bytes, got list"),
+    ((_BYTES, jnp.int4, (1, 6), 5), ValueError, r"packed axis 5 is out of range .* \(1, 6\)"),
+    ((_BYTES, jnp.int4, (6,), 0), ValueError,
+     r"bytes of shape \(1, 3\) do not hold codes of shape \(6,\) .* expected bytes of shape "
+     r"\(3,\)"),
+    ((_BYTES, jnp.int4, (1, 100), 1), ValueError, r"expected bytes of shape \(1, 50\)"),
+    ((_BYTES, jnp.int4, (1, 6.0), 1), TypeError, r"shape must be non-negative ints"),
+    ((_BYTES, jnp.int4, (1, 6), 1, 4), TypeError, r"bits is for 6-bit codes held as uint8"),
+])
+def test_packed_array_by_hand_is_checked_on_construction(args, error, message):
+    # Before: IndexError / OverflowError at first use, a wrongly shaped unpack, or a file
+    # that save_safetensors wrote and load_safetensors then refused as corrupted.
+    with pytest.raises(error, match=message):
+        jq.PackedArray(*args)
+
+
+def test_packed_array_six_bit_codes_by_hand():
+    codes = jnp.array([[1, 63, 7, 0, 33]], jnp.uint8)
+    from jaxquant._bits import pack_fields
+
+    p = jq.PackedArray(pack_fields(codes, 6, 1), jnp.uint8, (1, 5), 1, 6)
+    np.testing.assert_array_equal(p.unpack(), codes)

@@ -101,7 +101,7 @@ def test_scan_over_a_layer_stack_of_qtensors_matches_numpy(kw):
 
 def test_packed_storage_that_does_not_fit_is_refused_on_construction():
     data = jnp.zeros((4, 2), jnp.uint8)  # 6 int4 codes per row need 3 bytes
-    with pytest.raises(ValueError, match=r"qvalue: packed bytes of shape \(4, 2\).*"
+    with pytest.raises(ValueError, match=r"PackedArray data: packed bytes of shape \(4, 2\).*"
                                          r"expected bytes of shape \(4, 3\)"):
         jq.QTensor(PackedArray(data, np.dtype(jnp.int4), (4, 6), 1), jnp.ones(6), axis=1)
 
