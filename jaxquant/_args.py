@@ -15,7 +15,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-__all__ = ["as_array", "as_float_input", "as_dtype", "as_precision"]
+__all__ = ["as_array", "as_float_input", "as_dtype", "as_precision", "known_dtype"]
 
 
 def as_array(value, argname: str) -> jax.Array:
@@ -32,14 +32,33 @@ def as_array(value, argname: str) -> jax.Array:
             raise TypeError("a string is not an array")
         return jnp.asarray(value)
     except (TypeError, ValueError) as e:
+        if hasattr(value, "__dlpack__"):  # a torch.bfloat16 tensor has no NumPy view
+            try:
+                return jnp.from_dlpack(value)
+            except (TypeError, ValueError, RuntimeError, BufferError):
+                pass
         raise TypeError(f"{argname} must be an array, got {type(value).__name__} "
                         f"{value!r:.80} ({e}).") from None
 
 
+def known_dtype(dtype) -> np.dtype | None:
+    """``dtype`` as a NumPy dtype: NumPy's and ml_dtypes' own, or another library's of the
+    same name (``torch.bfloat16`` is ``bfloat16``); ``None`` when it names none of them."""
+    if dtype is None:
+        return None
+    try:
+        return np.dtype(dtype)
+    except TypeError:
+        try:
+            return jnp.dtype(str(dtype).rsplit(".", 1)[-1])
+        except TypeError:
+            return None
+
+
 def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
     """``x`` as a JAX array, or a TypeError if it is not floating point."""
-    dt = getattr(x, "dtype", None)
-    if dt is None:
+    dt = known_dtype(getattr(x, "dtype", None))  # NumPy's float6 is refused before XLA sees it
+    if dt is None or not isinstance(x, np.ndarray | jax.Array):
         x = as_array(x, argname)
         dt = x.dtype
     if not jnp.issubdtype(dt, jnp.floating):
@@ -50,7 +69,7 @@ def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
     if np.dtype(dt).name in ("float6_e2m3fn", "float6_e3m2fn"):  # XLA aborts on these
         raise TypeError(f"{argname} must be an array XLA can hold, got dtype {np.dtype(dt).name}"
                         f" (float6 exists in NumPy only): cast it to float32 first.")
-    return jnp.asarray(x)
+    return as_array(x, argname)
 
 
 def as_dtype(value, argname: str) -> np.dtype:

@@ -7,6 +7,7 @@ import math
 import jax
 import numpy as np
 
+from jaxquant._args import known_dtype
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, check_consistent
 
@@ -47,11 +48,14 @@ def leaf_nbytes(leaf) -> int:
 
 
 def leaf_dtype(leaf):
-    """A leaf's dtype: a NumPy one, or JAX's own for a PRNG key array (no NumPy dtype)."""
+    """A leaf's dtype: a NumPy one (a torch tensor's by name), or JAX's own for a PRNG key
+    array (no NumPy dtype)."""
     if not hasattr(leaf, "dtype"):
         return np.asarray(leaf).dtype
-    extended = jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended)
-    return leaf.dtype if extended else np.dtype(leaf.dtype)
+    known = known_dtype(leaf.dtype)
+    if known is None and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+        return leaf.dtype
+    return known if known is not None else np.asarray(leaf).dtype
 
 
 def stacked_axes(qt: QTensor, where: str) -> int:

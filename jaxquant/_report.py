@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant._args import as_array
 from jaxquant._leaves import is_abstract, is_record, leaf_dtype, leaf_nbytes, stacked_axes
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
@@ -139,7 +140,7 @@ def _reference(ref) -> tuple[jax.Array, jax.Array | None]:
     """``(x, lo)``: the reference leaf as a JAX array and, for float64 (a NumPy array
     while ``jax_enable_x64`` is off), the float32 remainder ``x - float32(x)``."""
     if leaf_dtype(ref) != np.float64:
-        return jnp.asarray(ref), None
+        return as_array(ref, "tree"), None
     if isinstance(ref, jax.Array):  # float64 on device (x64 on): split there, sharding kept
         hi = ref.astype(jnp.float32)
         return hi, (ref - hi.astype(ref.dtype)).astype(jnp.float32)

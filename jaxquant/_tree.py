@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxquant._leaves import is_abstract, is_record, leaf_nbytes, stacked_axes
+from jaxquant._leaves import is_abstract, is_record, leaf_dtype, leaf_nbytes, stacked_axes
 from jaxquant._progress import progress_bar
 from jaxquant._qtensor import is_qtensor
 from jaxquant._quantize import dequantize
@@ -85,7 +85,7 @@ def _check_rules(rules: Rules):
 
 
 def _is_float(leaf) -> bool:
-    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf_dtype(leaf), jnp.floating)
 
 
 def _select(path: str, leaf, rules) -> tuple[QuantSpec | None, int | None]:
@@ -208,7 +208,7 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
                 try:  # placeholders (ShapeDtypeStruct): an abstract QTensor, shardings kept
                     leaf = jax.eval_shape(spec, leaf) if is_abstract(leaf) else spec(leaf)
                 except (TypeError, ValueError) as e:  # name the leaf the rule failed on
-                    raise type(e)(f"leaf {path_str(path)!r} ({jnp.dtype(leaf.dtype).name}"
+                    raise type(e)(f"leaf {path_str(path)!r} ({leaf_dtype(leaf).name}"
                                   f"{list(leaf.shape)}): {e}") from e
                 bar.update(1)
             out.append(leaf)
