@@ -15,7 +15,8 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike
 
-__all__ = ["as_array", "as_float_input", "as_dtype", "as_precision", "known_dtype"]
+__all__ = ["as_array", "as_float_input", "as_dtype", "as_precision", "known_dtype",
+           "check_float_scale"]
 
 
 def as_array(value, argname: str) -> jax.Array:
@@ -27,6 +28,8 @@ def as_array(value, argname: str) -> jax.Array:
     """
     if isinstance(value, jax.Array):
         return value
+    if isinstance(value, np.ndarray | np.generic):  # before XLA sees (and rejects) a float6
+        refuse_numpy_only(value.dtype, argname)
     try:
         if isinstance(value, str | bytes):  # jnp.asarray would read "a" as a dtype alias
             raise TypeError("a string is not an array")
@@ -66,10 +69,23 @@ def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
             f"{argname} must be a floating-point array, got dtype {dt}; "
             f"integer arrays are codes already (wrap them in jaxquant.QTensor)."
         )
-    if np.dtype(dt).name in ("float6_e2m3fn", "float6_e3m2fn"):  # XLA aborts on these
-        raise TypeError(f"{argname} must be an array XLA can hold, got dtype {np.dtype(dt).name}"
-                        f" (float6 exists in NumPy only): cast it to float32 first.")
+    refuse_numpy_only(dt, argname)
     return as_array(x, argname)
+
+
+def check_float_scale(dtype, argname: str = "scale") -> None:
+    """A TypeError naming ``argname`` unless ``dtype`` is a float dtype XLA computes with."""
+    if not jnp.issubdtype(dtype, jnp.floating):
+        raise TypeError(f"{argname} must be a float array, got dtype {dtype}.")
+    refuse_numpy_only(dtype, argname)
+
+
+def refuse_numpy_only(dtype, argname: str) -> None:
+    """A TypeError naming ``argname`` for float6, which XLA cannot compile (it aborts)."""
+    if getattr(dtype, "name", None) in ("float6_e2m3fn", "float6_e3m2fn"):
+        raise TypeError(f"{argname} must be an array XLA can hold, got dtype "
+                        f"{np.dtype(dtype).name} (float6 exists in NumPy only): cast it to "
+                        f"float32 first.")
 
 
 def as_dtype(value, argname: str) -> np.dtype:

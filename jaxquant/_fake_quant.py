@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array, as_float_input
+from jaxquant._args import as_array, as_float_input, check_float_scale
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import code_values
 from jaxquant._cpu_division import scale_factors
@@ -174,8 +174,7 @@ def fake_quant(
         if isinstance(scale, QTensor):
             scale = jax.lax.stop_gradient(scale_values_of(scale))
         scale = as_array(scale, "scale")
-        if not jnp.issubdtype(scale.dtype, jnp.floating):
-            raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
+        check_float_scale(scale.dtype)
         layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
         scale = squeeze_tensor_scale(scale, layout)
         check_shards_fit(x, layout, None)

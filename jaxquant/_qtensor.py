@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import DTypeLike
 
+from jaxquant._args import check_float_scale
 from jaxquant._formats import FORMATS, Format, get_format, value_dtype
 from jaxquant._granularity import Layout, expand, layout_from_scale, squeeze_tensor_scale
 from jaxquant._packing import PackedArray, check_packed
@@ -164,8 +165,7 @@ class QTensor:
                     f"indices; got codebook={codebook!r} with qvalue.dtype {qvalue.dtype}.")
             if zero_point is not None:
                 raise ValueError(f"codebook format {codebook} takes no zero_point.")
-        if not jnp.issubdtype(scale.dtype, jnp.floating):
-            raise TypeError(f"scale must be a float array, got dtype {scale.dtype}.")
+        check_float_scale(scale.dtype)
         if getattr(scale, "weak_type", False):  # jnp.array(0.5): float32, as `quantize` stores it
             scale = jax.lax.convert_element_type(scale, jnp.float32)  # (a weak leaf retraces)
         dtype = value_dtype(dtype)

@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array, as_float_input
+from jaxquant._args import as_array, as_float_input, check_float_scale
 from jaxquant._barriers import keep_rounding
 from jaxquant._bits import pack_bits, pack_fields
 from jaxquant._codebooks import decode
@@ -51,8 +51,7 @@ def _as_scale(scale: ArrayLike, argname: str = "scale") -> jax.Array:
     if isinstance(scale, QTensor):
         return scale
     scale = as_array(scale, argname)
-    if not jnp.issubdtype(scale.dtype, jnp.floating):
-        raise TypeError(f"{argname} must be a float array, got dtype {scale.dtype}.")
+    check_float_scale(scale.dtype, argname)
     # A Python float is weakly typed (float64 under x64): stored as the float32 the quotient
     # uses, a weak scale would make every jit the QTensor reaches trace again for it
     return lax.convert_element_type(scale, jnp.float32) if scale.weak_type else scale

@@ -177,3 +177,15 @@ def test_a_numpy_float6_input_is_a_type_error_naming_it(name):
             fn(x)
     with pytest.raises(TypeError, match=f"leaf 'w' \\({name}\\[2, 4\\]\\): x must be an array"):
         jq.quantize_tree({"w": x})
+
+
+@pytest.mark.parametrize("name", ["float6_e2m3fn", "float6_e3m2fn"])
+def test_a_numpy_float6_scale_is_a_type_error_naming_it(name):
+    """A float6 scale passed the float check and XLA failed with an internal error."""
+    s6 = np.asarray(0.5, getattr(ml_dtypes, name))
+    x, codes = jnp.array([1.0, -2.0, 3.0]), jnp.array([2, -4], jnp.int8)
+    message = f"^scale must be an array XLA can hold, got dtype {name}"
+    for make in (lambda: jq.quantize(x, s6), lambda: jq.fake_quant(x, s6),
+                 lambda: jq.QTensor(codes, s6)):
+        with pytest.raises(TypeError, match=message):
+            make()
