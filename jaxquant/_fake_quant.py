@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array, as_float_input, check_float_scale
+from jaxquant._args import as_array, as_float_input, as_zero_point, check_float_scale
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import code_values
 from jaxquant._cpu_division import scale_factors
@@ -180,7 +180,7 @@ def fake_quant(
         check_shards_fit(x, layout, None)
     given_zero_point = zero_point is not None
     if zero_point is not None:
-        zero_point = zero_point_like_scale(as_array(zero_point, "zero_point"), scale)
+        zero_point = zero_point_like_scale(as_zero_point(zero_point, fmt), scale)
         if not (fmt.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)):
             check_zero_point(zero_point, fmt)
             zero_point = jax.lax.stop_gradient(zero_point)

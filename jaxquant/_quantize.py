@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array, as_float_input, check_float_scale
+from jaxquant._args import as_array, as_float_input, as_zero_point, check_float_scale
 from jaxquant._barriers import keep_rounding
 from jaxquant._bits import pack_bits, pack_fields
 from jaxquant._codebooks import decode
@@ -187,7 +187,7 @@ def quantize(
     layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
     scale = squeeze_tensor_scale(scale, layout)
     if zero_point is not None:
-        zero_point = zero_point_like_scale(as_array(zero_point, "zero_point"), scale)
+        zero_point = zero_point_like_scale(as_zero_point(zero_point, fmt), scale)
         check_zero_point(zero_point, fmt)
     check_shards_fit(x, layout, 8 // math.gcd(8, fmt.bits) if packed else None)
     return _quantize_explicit(x, scale, zero_point, fmt, layout, bool(saturate), packed, key)

@@ -189,3 +189,21 @@ def test_a_numpy_float6_scale_is_a_type_error_naming_it(name):
                  lambda: jq.QTensor(codes, s6)):
         with pytest.raises(TypeError, match=message):
             make()
+
+
+def test_a_python_int_zero_point_is_the_code_dtype():
+    """``quantize(x, s, 3)`` was refused with the hint "pass dtype=jnp.int32"."""
+    x, s = jnp.linspace(-1.0, 1.0, 16).reshape(2, 8), jnp.float32(0.01)
+    for dtype in (jnp.int8, jnp.uint8, jnp.int4):
+        want = jq.quantize(x, s, jnp.asarray(3, dtype), dtype=dtype)
+        got = jax.jit(lambda x, dtype=dtype: jq.quantize(x, s, 3, dtype=dtype))(x)
+        assert got.zero_point.dtype == dtype
+        np.testing.assert_array_equal(got.qvalue, want.qvalue)
+        np.testing.assert_array_equal(jq.fake_quant(x, s, 3, dtype=dtype),
+                                      jq.fake_quant(x, s, jnp.asarray(3, dtype), dtype=dtype))
+    assert jq.quantize(x, s, 0, dtype=jnp.float8_e4m3fn).zero_point.dtype == jnp.float8_e4m3fn
+    with pytest.raises(ValueError, match=r"zero_point must lie within the int8 codes "
+                                         r"\[-128, 127\], got 200"):
+        jq.quantize(x, s, 200)
+    with pytest.raises(ValueError, match="zero_point must be all zeros for the float format"):
+        jq.quantize(x, s, 3, dtype=jnp.float8_e4m3fn)
