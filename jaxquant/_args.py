@@ -16,7 +16,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 __all__ = ["as_array", "as_float_input", "as_dtype", "as_precision", "known_dtype",
-           "check_float_scale", "as_zero_point"]
+           "check_float_scale"]
 
 
 def as_array(value, argname: str) -> jax.Array:
@@ -42,23 +42,6 @@ def as_array(value, argname: str) -> jax.Array:
                 pass
         raise TypeError(f"{argname} must be an array, got {type(value).__name__} "
                         f"{value!r:.80} ({e}).") from None
-
-
-def as_zero_point(value, fmt) -> jax.Array:
-    """``value`` as a zero point of the format ``fmt`` (a `Format`): a Python int (weakly
-    typed) becomes the code dtype, as ONNX's zero point has it.
-
-    Raises:
-      ValueError: a Python int outside the codes' range ``[fmt.qmin, fmt.qmax]``.
-    """
-    zp = as_array(value, "zero_point")
-    if not (zp.weak_type and jnp.issubdtype(zp.dtype, jnp.integer)):
-        return zp  # its dtype is checked against the format's
-    if not isinstance(zp, jax.core.Tracer) and zp.size and \
-            not fmt.qmin <= int(jnp.min(zp)) <= int(jnp.max(zp)) <= fmt.qmax:
-        raise ValueError(f"zero_point must lie within the {fmt.name} codes [{fmt.qmin:g}, "
-                         f"{fmt.qmax:g}], got {value!r}.")
-    return zp.astype(fmt.dtype)
 
 
 def known_dtype(dtype) -> np.dtype | None:

@@ -55,7 +55,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array, as_float_input, as_zero_point, check_float_scale
+from jaxquant._args import as_array, as_float_input, check_float_scale
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import code_values
 from jaxquant._cpu_division import scale_factors
@@ -68,7 +68,7 @@ from jaxquant._granularity import (
     layout_from_scale,
     squeeze_tensor_scale,
 )
-from jaxquant._qtensor import QTensor, check_zero_point, zero_point_like_scale
+from jaxquant._qtensor import QTensor
 from jaxquant._quantize import (
     _check_key,
     check_flags,
@@ -80,6 +80,7 @@ from jaxquant._rounding import positive_zero, quotient, round_to_codes, stochast
 from jaxquant._scale_formats import scale_options
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
+from jaxquant._zero_points import as_zero_point, check_zero_point, zero_point_like_scale
 
 __all__ = ["fake_quant"]
 

@@ -218,6 +218,8 @@ def pack(x, axis: int = -1):
       A `PackedArray`, or for a `QTensor` the same record with a `PackedArray`
       as ``qvalue`` (``dequantize`` unpacks it). Codes already packed along ``axis`` are
       returned as they are; packed along another axis, they are repacked along ``axis``.
+      A `QTensor` of layers stacked by ``jax.vmap`` / ``lax.scan`` (a scanned model's) is
+      packed layer by layer, ``axis`` counted within a layer.
 
     Raises:
       TypeError: ``x`` not an array, or of a format wider than 4 bits (6-bit float6
@@ -232,6 +234,8 @@ def pack(x, axis: int = -1):
       >>> jq.pack(qt).nbytes, qt.nbytes
       (7, 7)
     """
+    if hasattr(x, "qvalue") and (k := _stacked(x)):  # a QTensor of stacked layers
+        return _per_layer(lambda q: pack(q, axis), x, k)
     if hasattr(x, "qvalue"):  # a QTensor
         if x.format.bits == 6 and not isinstance(x.qvalue, PackedArray):  # float6 codebooks
             return dataclasses.replace(x, qvalue=_pack_six(x.qvalue, axis, x.format.name))
@@ -259,8 +263,8 @@ def unpack(x):
 
     Returns:
       The codes of a `PackedArray` (its ``dtype`` and ``shape``, bit for bit those that
-      were packed); for a packed `QTensor`, the same record with those codes as
-      ``qvalue``; anything else unchanged.
+      were packed); for a packed `QTensor` (of stacked layers too, as `pack` takes them),
+      the same record with those codes as ``qvalue``; anything else unchanged.
 
     Example:
       >>> c = jnp.array([1, -2, 3], jnp.int4)
@@ -270,5 +274,21 @@ def unpack(x):
     if isinstance(x, PackedArray):
         return x.unpack()
     if hasattr(x, "qvalue") and isinstance(x.qvalue, PackedArray):
+        if k := _stacked(x):
+            return _per_layer(unpack, x, k)
         return dataclasses.replace(x, qvalue=x.qvalue.unpack())
     return x
+
+
+def _stacked(qt) -> int:
+    """How many leading axes of layers ``qt`` holds (`jaxquant._leaves.stacked_axes`)."""
+    from jaxquant._leaves import stacked_axes  # (which imports this module)
+
+    return stacked_axes(qt, "x")
+
+
+def _per_layer(fn, qt, k: int):
+    """``fn`` of each layer of ``qt``, over its ``k`` leading axes of stacked layers."""
+    for _ in range(k):
+        fn = jax.vmap(fn)
+    return fn(qt)

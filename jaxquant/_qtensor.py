@@ -14,62 +14,13 @@ from jaxquant._args import check_float_scale
 from jaxquant._formats import FORMATS, Format, get_format, value_dtype
 from jaxquant._granularity import Layout, expand, layout_from_scale, squeeze_tensor_scale
 from jaxquant._packing import PackedArray, check_packed
+from jaxquant._zero_points import check_zero_point, zero_point_like_scale
 
-__all__ = ["QTensor", "is_qtensor", "check_zero_point", "zero_point_like_scale", "scale_values",
-           "check_consistent"]
+__all__ = ["QTensor", "is_qtensor", "scale_values", "check_consistent"]
 
 
 def _is_arraylike(v) -> bool:
     return hasattr(v, "shape") and hasattr(v, "dtype")
-
-
-def zero_point_like_scale(zero_point, scale):
-    """``zero_point`` in the shape of ``scale``, or a ValueError naming both shapes.
-
-    One-element zero points and scales are both per-tensor whatever their rank
-    (ONNX's own conformance cases pair a scalar scale with a ``[1]`` zero
-    point), so they are reshaped to the scale's shape.
-    """
-    zshape, sshape = tuple(zero_point.shape), tuple(scale.shape)
-    if zshape == sshape:
-        return zero_point
-    if math.prod(zshape) == 1 and math.prod(sshape) == 1:
-        return zero_point.reshape(sshape)
-    raise ValueError(f"zero_point must have the shape of scale, {sshape}; got {zshape}.")
-
-
-def check_zero_point(zero_point, fmt: Format) -> None:
-    """Checks a zero point's dtype against the format (and its values, for floats).
-
-    Integer formats need a zero point of the code dtype itself (as ONNX, where
-    the zero point's type is the output type). Float formats need zeros; the
-    values are checked when they are concrete, and under ``jit`` through
-    `jax.experimental.checkify` (enforced when the caller is checkified).
-
-    Raises:
-      TypeError: on a dtype mismatch.
-      ValueError: on a concrete non-zero zero point of a float format.
-    """
-    if np.dtype(zero_point.dtype) != fmt.dtype:
-        hint = (f"; pass dtype=jnp.{zero_point.dtype} to quantize to that format"
-                if np.dtype(zero_point.dtype).name in FORMATS else "")
-        raise TypeError(
-            f"zero_point must have the code dtype {fmt.name}, got {zero_point.dtype}{hint}."
-        )
-    if fmt.is_integer:
-        return
-    if isinstance(zero_point, jax.core.Tracer):
-        from jax.experimental import checkify
-
-        checkify.debug_check(
-            jnp.all(zero_point.astype(jnp.float32) == 0),
-            f"zero_point must be all zeros for {fmt.name}.",
-        )
-    elif np.any(np.asarray(zero_point).astype(np.float32) != 0):
-        raise ValueError(
-            f"zero_point must be all zeros for the float format {fmt.name} (as ONNX requires), "
-            f"got non-zero values."
-        )
 
 
 @dataclasses.dataclass(frozen=True, init=False, eq=False)
@@ -151,10 +102,8 @@ class QTensor:
         codebook: str | None = None,
     ):
         if not (_is_arraylike(qvalue) and _is_arraylike(scale)):
-            raise TypeError(
-                f"qvalue and scale must be arrays, got {type(qvalue).__name__} and "
-                f"{type(scale).__name__}."
-            )
+            raise TypeError(f"qvalue and scale must be arrays, got {type(qvalue).__name__} and "
+                            f"{type(scale).__name__}.")
         if codebook is None:
             fmt = get_format(qvalue.dtype, argname="qvalue.dtype")
         else:
@@ -165,13 +114,22 @@ class QTensor:
                     f"indices; got codebook={codebook!r} with qvalue.dtype {qvalue.dtype}.")
             if zero_point is not None:
                 raise ValueError(f"codebook format {codebook} takes no zero_point.")
+            if fmt.bits == 6 and not isinstance(qvalue, PackedArray | jax.core.Tracer) and \
+                    qvalue.size and (top := int(jnp.max(qvalue))) >= 64:
+                raise ValueError(f"qvalue: {fmt.name} codes are 6-bit indices (0 to 63), got "
+                                 f"a code {top}.")
         check_float_scale(scale.dtype)
         if getattr(scale, "weak_type", False):  # jnp.array(0.5): float32, as `quantize` stores it
             scale = jax.lax.convert_element_type(scale, jnp.float32)  # (a weak leaf retraces)
         dtype = value_dtype(dtype)
         if isinstance(qvalue, PackedArray):
             check_packed(qvalue)
-        layout = layout_from_scale(tuple(qvalue.shape), tuple(scale.shape), axis, block_size)
+        try:
+            layout = layout_from_scale(tuple(qvalue.shape), tuple(scale.shape), axis, block_size)
+        except ValueError as e:  # replace() of a vmap output: say how to build a stack
+            stacks = any(_fits(qvalue.shape[k:], scale.shape[k:], axis, block_size)
+                         and qvalue.shape[:k] == scale.shape[:k] for k in range(1, qvalue.ndim))
+            raise (ValueError(f"{e}{STACK_HINT}") if stacks else e) from None
         scale = squeeze_tensor_scale(scale, layout)
         if zero_point is not None:
             if not _is_arraylike(zero_point):
@@ -293,6 +251,22 @@ def _known(qt: QTensor) -> bool:  # codes of a format: not a gradient's float0 c
     return getattr(qt.qvalue.dtype, "name", None) in FORMATS  # codebook codes too: uint4/8
 
 
+STACK_HINT = (
+    " A QTensor stacked by jax.vmap / lax.scan (or jax.tree.map(jnp.stack, ...)) holds one "
+    "QTensor per entry of its leading axis: use it inside jax.vmap or lax.scan, e.g. "
+    "jax.vmap(jaxquant.dequantize)(qt); a stack of layers quantized as one array has one "
+    "scale set for all of them: quantize it with QuantSpec(stacked=1). Layers stacked on a "
+    "later axis (nn.scan / nn.vmap variable_axes other than 0) have no tree or file form.")
+
+
+def _fits(shape, scale_shape, axis, block_size) -> bool:
+    try:
+        layout_from_scale(tuple(shape), tuple(scale_shape), axis, block_size)
+        return True
+    except (TypeError, ValueError):
+        return False
+
+
 def check_consistent(qt: QTensor, argname: str = "qt") -> None:
     """Checks that ``qt``'s leaves still fit its metadata (static shapes and dtypes only).
 
@@ -307,12 +281,7 @@ def check_consistent(qt: QTensor, argname: str = "qt") -> None:
       TypeError: leaves that are not arrays, or codes of no quantized format.
       ValueError: a scale, zero point or packed storage whose shape does not fit the codes.
     """
-    hint = (" A QTensor stacked by jax.vmap / lax.scan (or jax.tree.map(jnp.stack, ...)) holds "
-            "one QTensor per entry of its leading axis: use it inside jax.vmap or lax.scan, "
-            "e.g. jax.vmap(jaxquant.dequantize)(qt); a stack of layers quantized as one array "
-            "has one scale set for all of them: quantize it with QuantSpec(stacked=1). Layers "
-            "stacked on a later axis (nn.scan / nn.vmap variable_axes other than 0) have no "
-            "tree or file form.")
+    hint = STACK_HINT
     if not (_is_arraylike(qt.qvalue) and _is_arraylike(qt.scale) and _known(qt)):
         got = [getattr(a, "dtype", type(a).__name__) for a in (qt.qvalue, qt.scale)]
         raise TypeError(f"{argname} must hold codes of a quantized format and a float scale, "

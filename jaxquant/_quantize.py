@@ -18,7 +18,7 @@ import numpy as np
 from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
-from jaxquant._args import as_array, as_float_input, as_zero_point, check_float_scale
+from jaxquant._args import as_array, as_float_input, check_float_scale
 from jaxquant._barriers import keep_rounding
 from jaxquant._bits import pack_bits, pack_fields
 from jaxquant._codebooks import decode
@@ -33,16 +33,12 @@ from jaxquant._granularity import (
 )
 from jaxquant._packing import PackedArray
 from jaxquant._platform_ops import platform_op
-from jaxquant._qtensor import (
-    QTensor,
-    check_consistent,
-    check_zero_point,
-    zero_point_like_scale,
-)
+from jaxquant._qtensor import QTensor, check_consistent
 from jaxquant._rounding import NAN_CODES, quotient, round_to_codes
 from jaxquant._scale_formats import ScaleOptions, computed_scale, scale_options
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
+from jaxquant._zero_points import as_zero_point, check_zero_point, zero_point_like_scale
 
 __all__ = ["quantize", "dequantize"]
 

@@ -233,3 +233,12 @@ def test_huge_block_absmax_keeps_the_block(name):
 def test_double_quant_of_an_empty_tensor(shape):
     qt = jq.quantize(jnp.zeros(shape), dtype="nf4", double_quant=True)
     assert qt.dequantize().shape == shape
+
+
+def test_float6_codebook_codes_of_64_or_more_are_refused_by_the_constructor():
+    """A uint8 index of 200 was masked to its low six bits (8) and dequantized silently."""
+    with pytest.raises(ValueError, match=r"qvalue: float6_e2m3fn codes are 6-bit indices "
+                                         r"\(0 to 63\), got a code 200"):
+        jq.QTensor(jnp.array([8, 200], jnp.uint8), jnp.float32(1), codebook="float6_e2m3fn")
+    ok = jq.QTensor(jnp.array([8, 63], jnp.uint8), jnp.float32(1), codebook="float6_e2m3fn")
+    assert ok.dequantize().shape == (2,)

@@ -100,8 +100,10 @@ def _assert_dot(y, x, w, dims, rtol=1e-5):
 
 
 def _float6(codes, codebook="float6_e2m3fn"):
-    return jq.QTensor(jnp.asarray(np.asarray(codes, np.uint8)), jnp.float32(1.0),
-                      codebook=codebook)
+    """A float6 QTensor built under jit (the constructor refuses concrete codes of 64 or more;
+    traced ones, as a jitted function returns them, reach pack)."""
+    make = jax.jit(lambda c: jq.QTensor(c, jnp.float32(1.0), codebook=codebook))
+    return make(jnp.asarray(np.asarray(codes, np.uint8)))
 
 
 @pytest.mark.parametrize("codebook", ["float6_e2m3fn", "float6_e3m2fn"])

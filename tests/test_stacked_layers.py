@@ -2,6 +2,8 @@
 checkpoint) quantized with one scale set per layer, into the stacked `QTensor` that
 ``lax.scan`` and ``jax.vmap`` slice layer by layer."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,3 +218,32 @@ def test_a_bare_tree_of_nn_scan_layers_gets_what_quantize_params_makes():
     assert jax.tree.structure(by_rules) == jax.tree.structure(by_model)
     assert _leaves_equal(by_rules, by_model)
     np.testing.assert_array_equal(jax.jit(qm.apply)(by_rules, x), jax.jit(qm.apply)(by_model, x))
+
+
+@pytest.mark.parametrize("kw", [dict(dtype=jnp.int4, axis=1), dict(dtype=jnp.int4, axis=1, block_size=8),
+                                dict(dtype="nvfp4"), dict(dtype="float6_e2m3fn", axis=1)],
+                         ids=["int4 per channel", "int4 blocks", "nvfp4", "float6"])
+def test_pack_and_unpack_take_stacked_layers(kw):
+    # Before: pack / unpack of a scanned model's QTensor rebuilt it through the constructor,
+    # which read the stacked scales as one layer's and refused them.
+    w = jnp.asarray(np.random.default_rng(0).standard_normal((2, 3, 16, 8)), jnp.float32)
+    qs = jq.quantize_tree({"k": w}, jq.QuantSpec(stacked=2, **kw))["k"]
+    packed = jq.pack(qs)
+    want = jax.vmap(jax.vmap(jq.pack))(qs)
+    assert jax.tree.structure(packed) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(packed), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).view(np.uint8), np.asarray(b).view(np.uint8))
+    unpacked = jq.unpack(packed)
+    assert jax.tree.structure(unpacked) == jax.tree.structure(qs)
+    np.testing.assert_array_equal(unpacked.qvalue, qs.qvalue)
+    np.testing.assert_array_equal(jq.dequantize_tree({"k": packed})["k"],
+                                  jq.dequantize_tree({"k": qs})["k"])
+
+
+def test_replace_on_stacked_layers_says_how_to_build_a_stack():
+    w = jnp.ones((3, 16, 8))
+    qs = jq.quantize_tree({"k": w}, jq.QuantSpec(axis=1, stacked=1))["k"]
+    with pytest.raises(ValueError, match=r"got shape \(3, 8\)\. A QTensor stacked by jax\.vmap"):
+        dataclasses.replace(qs, dtype=jnp.bfloat16)
+    relabelled = jax.vmap(lambda q: dataclasses.replace(q, dtype=jnp.bfloat16))(qs)
+    assert jq.dequantize_tree({"k": relabelled})["k"].dtype == jnp.bfloat16
