@@ -58,6 +58,14 @@ def _save_bar(tree: Any, progress: bool):
 # --- safetensors ----------------------------------------------------------------------
 
 
+def _path(path, argname: str = "path") -> str:
+    """``path`` as a ``str`` (a ``bytes`` path decoded), or a TypeError naming ``argname``."""
+    if not isinstance(path, str | bytes | os.PathLike):
+        raise TypeError(f"{argname} must be a str or os.PathLike, got {type(path).__name__} "
+                        f"{path!r:.80}.")
+    return os.fsdecode(os.fspath(path))
+
+
 def _safetensors():
     """Imports safetensors, or says how to install it."""
     try:
@@ -93,8 +101,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
         (it is optional; without it nothing is shown). Default: silent.
 
     Raises:
-      FileNotFoundError: the directory of ``path`` does not exist.
-      TypeError: a leaf that is not an array, or bad ``metadata``.
+      FileNotFoundError, IsADirectoryError: the directory of ``path`` does not exist, or
+        ``path`` is a directory.
+      TypeError: ``path`` not a path, a leaf that is not an array, or bad ``metadata``.
       ValueError: two leaves whose paths (or tensor names) coincide; an array leaf at
         the path ``"__metadata__"`` (safetensors' name for the metadata; a `QTensor`
         there is stored as ``__metadata__/qvalue``...); a reserved metadata key;
@@ -112,7 +121,10 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
       (QTensor(int4[4, 8], per-tensor, scale[], dtype=float32), dtype(bfloat16))
     """
     safetensors = _safetensors()
-    path = os.fspath(path)
+    path = _path(path)
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"{path}: is a directory; save_safetensors writes a file "
+                                f"(save_orbax writes a checkpoint directory).")
     if not os.path.isdir(parent := os.path.dirname(os.path.abspath(path))):
         raise FileNotFoundError(f"{path}: no directory {parent!r} to write the file into.")
     with _save_bar(tree, progress) as bar:
@@ -184,7 +196,7 @@ def read_safetensors(path: str | os.PathLike, target: Any = None, *, allow_plain
     """`load_safetensors`; with ``flat`` (and no target) a dict from each stored leaf's
     ``/``-joined path to the leaf, for files whose paths do not nest (``a`` and ``a/b``)."""
     safetensors = _safetensors()
-    where = os.fspath(path)
+    where = _path(path)
     if os.path.isdir(where):
         raise IsADirectoryError(f"{where}: is a directory, not a safetensors file (load_orbax "
                                 f"reads an orbax checkpoint directory).")
@@ -264,7 +276,7 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
     """
     import orbax.checkpoint as ocp
 
-    if os.path.exists(directory := os.path.abspath(directory)):
+    if os.path.exists(directory := os.path.abspath(_path(directory, "directory"))):
         raise FileExistsError(f"{directory}: already exists; save_orbax writes a new "
                               f"checkpoint directory and never overwrites one.")
     with _save_bar(tree, progress) as bar:
@@ -283,10 +295,13 @@ def _orbax_header(ckptr, where: str) -> dict:
     """The checked jaxquant header of the orbax checkpoint ``where``.
 
     Raises:
-      FileNotFoundError: no such directory.
+      FileNotFoundError, NotADirectoryError: no such directory, or a file.
       ValueError: not an orbax checkpoint, damaged orbax metadata, no jaxquant header,
         a corrupted header.
     """
+    if os.path.isfile(where):
+        raise NotADirectoryError(f"{where}: is a file, not an orbax checkpoint directory "
+                                 f"(load_safetensors reads a safetensors file).")
     if not os.path.isdir(where):
         raise FileNotFoundError(f"{where}: no such directory: expected an orbax checkpoint "
                                 f"directory written by save_orbax.")
@@ -332,7 +347,7 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
       dtypes while ``jax_enable_x64`` is off and no target places them).
 
     Raises:
-      FileNotFoundError: no such directory.
+      FileNotFoundError, NotADirectoryError: no such directory, or a file.
       ValueError: not an orbax checkpoint, damaged orbax metadata, no jaxquant
         header, a corrupted header or tensor (CRC-32), a missing or unreadable
         data file, an unknown format version, a missing or extra key, a shape or
@@ -348,7 +363,7 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
     """
     import orbax.checkpoint as ocp
 
-    where = os.path.abspath(directory)
+    where = os.path.abspath(_path(directory, "directory"))
     with ocp.StandardCheckpointer() as ckptr:
         header = _orbax_header(ckptr, where)
         items, treedef = plan(header, unbox_records(target), where)

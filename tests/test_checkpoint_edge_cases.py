@@ -194,3 +194,33 @@ def test_a_dtype_jax_cannot_hold_is_refused_at_save(tmp_path):
     with pytest.raises(TypeError, match="'w'.*float6_e2m3fn.*JAX has no arrays"):
         save_safetensors(tmp_path / "a.safetensors", {"w": leaf})
     assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("fn", [save_safetensors, save_orbax, load_safetensors, load_orbax])
+@pytest.mark.parametrize("bad", [None, 3])
+def test_a_path_that_is_not_a_path_is_a_type_error_naming_it(fn, bad):
+    argname = "directory" if "orbax" in fn.__name__ else "path"
+    args = (bad, {"w": jnp.ones(2)}) if fn.__name__.startswith("save") else (bad,)
+    with pytest.raises(TypeError, match=rf"^{argname} must be a str or os.PathLike, got "
+                                        rf"{type(bad).__name__} {bad}\.$"):
+        fn(*args)
+
+
+def test_a_bytes_path_is_a_path(tmp_path):
+    path = bytes(tmp_path / "w.safetensors")
+    save_safetensors(path, {"w": jnp.arange(3.0)})
+    np.testing.assert_array_equal(load_safetensors(path)["w"], np.arange(3.0))
+
+
+def test_save_safetensors_onto_a_directory_and_load_orbax_of_a_file_say_so(tmp_path):
+    # Before: an IsADirectoryError naming the temporary file, and "no such directory".
+    (tmp_path / "d").mkdir()
+    with pytest.raises(IsADirectoryError, match=r"d: is a directory; save_safetensors writes a "
+                                                r"file \(save_orbax writes"):
+        save_safetensors(tmp_path / "d", {"w": jnp.ones(2)})
+    assert list((tmp_path / "d").iterdir()) == [] and sorted(tmp_path.iterdir()) == [
+        tmp_path / "d"]
+    save_safetensors(tmp_path / "f", {"w": jnp.ones(2)})
+    with pytest.raises(NotADirectoryError, match=r"f: is a file, not an orbax checkpoint "
+                                                 r"directory \(load_safetensors reads"):
+        load_orbax(tmp_path / "f")
