@@ -70,6 +70,9 @@ def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
             f"integer arrays are codes already (wrap them in jaxquant.QTensor)."
         )
     refuse_numpy_only(dt, argname)
+    if dt.name == "float8_e8m0fnu":  # its dequantized zeros would be NaN
+        raise TypeError(f"{argname} must be a float array with zero and negative values, got "
+                        f"dtype float8_e8m0fnu (a scale format): cast it to float32 first.")
     return as_array(x, argname)
 
 

@@ -220,8 +220,8 @@ def value_dtype(dtype, argname: str = "dtype") -> np.dtype:
       The ``np.dtype``.
 
     Raises:
-      TypeError: ``None``, not a dtype, not floating, or a float6 dtype (codes only:
-        XLA has no float6 arrays).
+      TypeError: ``None``, not a dtype, not floating, a float6 dtype (codes only:
+        XLA has no float6 arrays), or float8_e8m0fnu (no zero, no sign).
 
     Example:
       >>> value_dtype("bfloat16").name
@@ -238,4 +238,7 @@ def value_dtype(dtype, argname: str = "dtype") -> np.dtype:
     if got is None or not jnp.issubdtype(got, jnp.floating):
         shown = repr(dtype) if got is None else got
         raise TypeError(f"{argname} must be a float dtype, got {shown}.")
+    if got.name == "float8_e8m0fnu":  # 0 and every negative value would come back NaN
+        raise TypeError(f"{argname} must be a float dtype with zero and negative values, got "
+                        f"float8_e8m0fnu (positive powers of two only: a scale format).")
     return got

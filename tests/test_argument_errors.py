@@ -207,3 +207,18 @@ def test_a_python_int_zero_point_is_the_code_dtype():
         jq.quantize(x, s, 200)
     with pytest.raises(ValueError, match="zero_point must be all zeros for the float format"):
         jq.quantize(x, s, 3, dtype=jnp.float8_e4m3fn)
+
+
+def test_float8_e8m0fnu_is_no_value_dtype():
+    """A code 0 dequantized to e8m0 (no zero, no sign) came back NaN, silently."""
+    qt = jq.quantize(jnp.array([1.0, 2.0**-20, -3.0]))
+    with pytest.raises(TypeError, match="^dtype must be a float dtype with zero and negative "
+                                        "values, got float8_e8m0fnu"):
+        jq.dequantize(qt, jnp.float8_e8m0fnu)
+    with pytest.raises(TypeError, match="^dtype must be a float dtype with zero"):
+        jq.QTensor(qt.qvalue, qt.scale, dtype=jnp.float8_e8m0fnu)
+    x = jnp.array([1.0, 2.0**-20], jnp.float8_e8m0fnu)
+    for fn in (jq.quantize, jq.fake_quant):
+        with pytest.raises(TypeError, match="^x must be a float array with zero and negative "
+                                            "values, got dtype float8_e8m0fnu"):
+            fn(x)
