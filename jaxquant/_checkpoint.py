@@ -197,6 +197,8 @@ def read_safetensors(path: str | os.PathLike, target: Any = None, *, allow_plain
     ``/``-joined path to the leaf, for files whose paths do not nest (``a`` and ``a/b``)."""
     safetensors = _safetensors()
     where = _path(path)
+    if not isinstance(allow_plain, bool | np.bool_):  # "no" would read as True
+        raise TypeError(f"allow_plain must be a bool (True or False), got {allow_plain!r}.")
     if os.path.isdir(where):
         raise IsADirectoryError(f"{where}: is a directory, not a safetensors file (load_orbax "
                                 f"reads an orbax checkpoint directory).")

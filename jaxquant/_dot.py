@@ -108,7 +108,8 @@ def promote_dtype(*args, dtype: DTypeLike | None = None, inexact: bool = True):
     Args:
       *args: arrays, QTensors or ``None``; or a single tuple of them (nnx).
       dtype: the dtype to cast to, or ``None`` to infer it.
-      inexact: accepted for Flax compatibility.
+      inexact: as Flax's: an inferred integer dtype is promoted with float32, and a
+        ``dtype`` given must be inexact (float or complex).
 
     Returns:
       A list (a tuple for a tuple argument) of the arguments.
@@ -116,6 +117,7 @@ def promote_dtype(*args, dtype: DTypeLike | None = None, inexact: bool = True):
     Raises:
       TypeError: ``dtype`` is not a dtype, or an argument is not an array, a
         `QTensor` or ``None`` (a string, say).
+      ValueError: with ``inexact``, a ``dtype`` that is not inexact.
 
     Example:
       >>> import jaxquant as jq
@@ -123,15 +125,20 @@ def promote_dtype(*args, dtype: DTypeLike | None = None, inexact: bool = True):
       >>> x.dtype, type(w).__name__
       (dtype('float32'), 'QTensor')
     """
-    del inexact
+    as_tuple = len(args) == 1 and isinstance(args[0], tuple)
+    items = [x if x is None or _is_q(x) else as_array(x, f"args[{i}]")
+             for i, x in enumerate(args[0] if as_tuple else args)]
     if dtype is not None:
         dtype = as_dtype(dtype, "dtype")
-    as_tuple = len(args) == 1 and isinstance(args[0], tuple)
-    items = args[0] if as_tuple else args
-    if dtype is None:
-        dts = [x.dtype if _is_q(x) else jnp.asarray(x).dtype for x in items if x is not None]
+        if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+            raise ValueError(f"dtype must be inexact (a float or complex dtype) with "
+                             f"inexact=True, got {dtype}.")
+    else:
+        dts = [x.dtype for x in items if x is not None]
         with jax.numpy_dtype_promotion("standard"):
             dtype = functools.reduce(jnp.promote_types, dts, np.dtype(dts[0] if dts else "f4"))
+            if inexact and not jnp.issubdtype(dtype, jnp.inexact):
+                dtype = jnp.promote_types(jnp.float32, dtype)
     out = [x if x is None or _is_q(x) else jnp.asarray(x, dtype) for x in items]
     return tuple(out) if as_tuple else out
 

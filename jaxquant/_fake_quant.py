@@ -159,8 +159,11 @@ def fake_quant(
     fmt, axis, block_size = r.fmt, r.axis, r.block_size
     x = as_float_input(x)
     key = _check_key(key)
-    check_scale_arguments(fmt, scale, zero_point, scale_dtype, double_quant)
+    check_scale_arguments(fmt, scale, zero_point, scale_dtype, double_quant, scale_rounding)
     computed, options = scale is None, None
+    if scale is None and lsq_grad_scale:
+        raise ValueError("lsq_grad_scale=True scales the gradients of an explicit (learned) "
+                         "scale; computed scales are constants of the backward pass.")
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; pass both, or neither.")

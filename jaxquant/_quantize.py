@@ -166,7 +166,7 @@ def quantize(
         raise ValueError(f"packed=True needs a 2-, 4- or 6-bit format and an input of rank >= 1, "
                          f"got {fmt.name} and rank {x.ndim}.")
     key = _check_key(key)
-    check_scale_arguments(fmt, scale, zero_point, scale_dtype, double_quant)
+    check_scale_arguments(fmt, scale, zero_point, scale_dtype, double_quant, scale_rounding)
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; pass both, or neither "
@@ -189,13 +189,17 @@ def quantize(
     return _quantize_explicit(x, scale, zero_point, fmt, layout, bool(saturate), packed, key)
 
 
-def check_scale_arguments(fmt: Format, scale, zero_point, scale_dtype, double_quant) -> None:
+def check_scale_arguments(fmt: Format, scale, zero_point, scale_dtype, double_quant,
+                          scale_rounding) -> None:
     """ValueErrors for arguments that do not go together (shared with `fake_quant`)."""
     if fmt.is_codebook and zero_point is not None:
         raise ValueError(f"codebook format {fmt.name} takes no zero_point.")
-    if scale is not None and (scale_dtype is not None or double_quant):
-        raise ValueError("scale_dtype and double_quant apply to computed scales; an explicit "
-                         "scale is stored as given.")
+    if scale is not None and (scale_dtype is not None or double_quant
+                              or scale_rounding != "floor"):
+        raise ValueError(f"scale_dtype, double_quant and scale_rounding apply to computed "
+                         f"scales; an explicit scale is stored as given (got scale_dtype="
+                         f"{scale_dtype!r}, double_quant={double_quant!r}, scale_rounding="
+                         f"{scale_rounding!r}).")
 
 
 def check_flags(**flags) -> None:

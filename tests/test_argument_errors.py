@@ -222,3 +222,45 @@ def test_float8_e8m0fnu_is_no_value_dtype():
         with pytest.raises(TypeError, match="^x must be a float array with zero and negative "
                                             "values, got dtype float8_e8m0fnu"):
             fn(x)
+
+
+def test_arguments_that_would_have_no_effect_are_refused():
+    """Before: accepted and ignored (computed mode refused a bad scale_rounding already)."""
+    x, s = jnp.ones((2, 4)), jnp.float32(0.25)
+    for fn in (jq.quantize, jq.fake_quant):
+        with pytest.raises(ValueError, match=r"scale_rounding apply to computed scales; an "
+                                             r"explicit scale is stored as given .*"
+                                             r"scale_rounding='ceil'"):
+            fn(x, s, scale_rounding="ceil")
+    with pytest.raises(ValueError, match=r"lsq_grad_scale=True scales the gradients of an "
+                                         r"explicit \(learned\) scale"):
+        jq.fake_quant(x, lsq_grad_scale=True)
+    assert jq.fake_quant(x, s, lsq_grad_scale=True).shape == x.shape
+
+
+def test_load_safetensors_allow_plain_must_be_a_bool(tmp_path):
+    jq.save_safetensors(tmp_path / "w", {"w": jnp.ones(2)})
+    with pytest.raises(TypeError, match=r"^allow_plain must be a bool \(True or False\), "
+                                        r"got 'no'\.$"):
+        jq.load_safetensors(tmp_path / "w", allow_plain="no")
+
+
+def test_promote_dtype_is_flax_promote_dtype_for_arrays():
+    linen = pytest.importorskip("flax.linen")
+    cases = [((jnp.ones(2, jnp.int32), jnp.ones(2, jnp.int8)), {}),
+             ((jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.int8)), {}),
+             ((jnp.ones(2, jnp.int32),), dict(inexact=False)),
+             ((jnp.ones(2, jnp.float16), np.ones(2, np.float32)), {}),
+             ((jnp.ones(2), None), dict(dtype=jnp.bfloat16))]
+    for args, kw in cases:
+        with jax.numpy_dtype_promotion("standard"):  # as jq.promote_dtype promotes
+            want = linen.dtypes.promote_dtype(*args, **kw)
+        got = jq.promote_dtype(*args, **kw)
+        assert [None if a is None else a.dtype for a in got] == \
+            [None if a is None else a.dtype for a in want], (args, kw)
+    with pytest.raises(ValueError, match=r"dtype must be inexact .* got int32"):
+        jq.promote_dtype(jnp.ones(2), dtype=jnp.int32)
+    with pytest.raises(ValueError, match="inexact"):  # Flax's own refusal
+        linen.dtypes.promote_dtype(jnp.ones(2), dtype=jnp.int32)
+    with pytest.raises(TypeError, match=r"^args\[0\] must be an array, got str"):
+        jq.promote_dtype("x", jnp.ones(2))
