@@ -18,9 +18,12 @@ Covered layers: linen ``Dense``, ``DenseGeneral``, ``Conv``, ``ConvTranspose``,
 ``ConvLocal``, ``Einsum``, ``Embed``; nnx ``Linear``, ``LinearGeneral``, ``Conv``,
 ``ConvTranspose``, ``Einsum``, ``Embed`` (``ConvTranspose`` and ``ConvLocal`` run
 on their dequantized kernel at inference).
+`flax.serialization` (``to_state_dict``, ``to_bytes`` / ``from_bytes``) takes trees
+with `jaxquant.QTensor` leaves once this package is imported.
 Flax is imported only here, never by the core.
 """
 
+from jaxquant.flax import _state_dict  # noqa: F401  (QTensors in flax.serialization)
 from jaxquant.flax._rules import ActSpec, QuantConfig
 from jaxquant.flax.linen import QuantizedLinen, quantize_linen
 from jaxquant.flax.nnx import (
