@@ -31,7 +31,7 @@ import numpy as np
 from jax import lax
 
 __all__ = ["Layout", "layout_from_scale", "layout_from_args", "expand", "group_reduce",
-           "apply_grouped", "squeeze_tensor_scale", "explicit_sharding"]
+           "apply_grouped", "squeeze_tensor_scale", "explicit_sharding", "check_block_size"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +80,7 @@ def normalize_axis(axis: int, ndim: int, argname: str = "axis", none_ok: bool = 
     return axis % ndim
 
 
-def _check_block_size(block_size) -> int:
+def check_block_size(block_size) -> int:
     """``block_size`` as a Python int, or a TypeError/ValueError unless it is a positive int."""
     if not _is_int(block_size):
         raise TypeError(f"block_size must be a positive int or None, got {block_size!r}.")
@@ -96,7 +96,7 @@ def _tile_layout(shape: tuple[int, ...], axis, block_size: tuple) -> Layout:
     if len(block_size) != len(shape):
         raise ValueError(f"block_size must have one tile length per axis of the input, "
                          f"{len(shape)} for shape {tuple(shape)}; got {block_size!r}.")
-    return Layout("tile", None, tuple(_check_block_size(b) for b in block_size))
+    return Layout("tile", None, tuple(check_block_size(b) for b in block_size))
 
 
 def layout_from_args(shape: tuple[int, ...], axis: int | None,
@@ -110,7 +110,7 @@ def layout_from_args(shape: tuple[int, ...], axis: int | None,
     if isinstance(block_size, tuple | list):
         return _tile_layout(shape, axis, tuple(block_size))
     if block_size is not None:
-        block_size = _check_block_size(block_size)
+        block_size = check_block_size(block_size)
         if axis is None:
             raise ValueError("block_size requires axis: the axis that is split into blocks.")
         return Layout("block", normalize_axis(axis, len(shape)), block_size)
@@ -150,7 +150,7 @@ def layout_from_scale(
                 f"of shape {tuple(shape)}; got {tuple(scale_shape)}.")
         return layout
     if block_size is not None:
-        block_size = _check_block_size(block_size)
+        block_size = check_block_size(block_size)
         if math.prod(scale_shape) == 1 and not _fits_blocks(shape, scale_shape, axis, block_size):
             return Layout("tensor")  # one element is per-tensor whatever axis says, as in ONNX
         layout = layout_from_args(shape, axis, block_size)

@@ -44,7 +44,10 @@ def leaf_nbytes(leaf) -> int:
     array: its key data)."""
     if is_record(leaf):
         return leaf.nbytes
-    return math.prod(np.shape(leaf)) * leaf_dtype(leaf).itemsize
+    dtype = leaf_dtype(leaf)
+    if dtype == np.dtype(object):  # np.asarray(object()): the 8 bytes of a pointer, not of the leaf
+        raise TypeError(f"a leaf of type {type(leaf).__name__} has no array bytes: {leaf!r:.80}")
+    return math.prod(np.shape(leaf)) * dtype.itemsize
 
 
 def leaf_dtype(leaf):

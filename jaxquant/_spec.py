@@ -13,7 +13,7 @@ from jax.typing import DTypeLike
 
 from jaxquant._args import as_dtype
 from jaxquant._formats import CODEBOOKS, get_format
-from jaxquant._granularity import _is_int
+from jaxquant._granularity import _is_int, check_block_size
 from jaxquant._qtensor import QTensor
 from jaxquant._quantize import check_flags, quantize
 from jaxquant._scale_formats import scale_options
@@ -104,15 +104,11 @@ class QuantSpec:
             object.__setattr__(self, "scale_dtype", as_dtype(self.scale_dtype, "scale_dtype"))
         r = resolve(self.dtype, self.axis, self.block_size, self.scale_dtype,
                     double_quant=self.double_quant)
-        if isinstance(r.block_size, tuple):
+        if isinstance(r.block_size, tuple):  # quantize's TypeError / ValueError
             for b in r.block_size:
-                if isinstance(b, bool) or not isinstance(b, int) or b <= 0:
-                    raise ValueError(f"block_size must hold positive integers, got "
-                                     f"{self.block_size!r}.")
+                check_block_size(b)
         elif r.block_size is not None:
-            if isinstance(r.block_size, bool) or not isinstance(r.block_size, int) \
-                    or r.block_size <= 0:
-                raise ValueError(f"block_size must be a positive integer, got {self.block_size!r}.")
+            check_block_size(r.block_size)
             if r.axis is None:
                 raise ValueError("block_size requires axis: the axis that is split into blocks.")
         if self.packed and r.fmt.bits not in (2, 4, 6):

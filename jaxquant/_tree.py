@@ -57,6 +57,9 @@ def _check_rules(rules: Rules):
     """``rules`` validated: ``None``, a `QuantSpec`, or a list of (compiled pattern, spec)."""
     if rules is None or isinstance(rules, QuantSpec):
         return rules
+    if isinstance(rules, jax.Array):  # jax.jit(quantize_tree)(tree, spec) traced the spec
+        raise TypeError("rules is a traced value: rules are static; close over them or pass "
+                        "them with jax.jit(quantize_tree, static_argnames='rules').")
     if isinstance(rules, tuple | list) and len(rules) == 2 and isinstance(rules[0], str) \
             and (rules[1] is None or isinstance(rules[1], QuantSpec)):
         raise TypeError(f"rules must be a sequence of (pattern, QuantSpec | None) pairs, got "
@@ -265,9 +268,18 @@ def tree_nbytes(tree: Any) -> int:
       The sum of ``size * itemsize`` of the arrays and `QTensor.nbytes` (codes
       at their bit width, plus scales and zero points).
 
+    Raises:
+      TypeError: a leaf that is no array (an ``object()``), naming its path.
+
     Example:
       >>> import jaxquant as jq
       >>> tree_nbytes({"w": jnp.ones((4, 8)), "q": jq.quantize(jnp.ones((4, 8)), axis=1)})
       192
     """
-    return sum(leaf_nbytes(leaf) for leaf in jax.tree.leaves(tree, is_leaf=is_record))
+    total = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)[0]:
+        try:
+            total += leaf_nbytes(leaf)
+        except TypeError as e:
+            raise TypeError(f"leaf {path_str(path)!r}: {e}") from None
+    return total

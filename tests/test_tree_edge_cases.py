@@ -220,6 +220,19 @@ def test_spec_takes_numpy_integer_block_sizes_as_quantize_does():
         jq.QuantSpec(block_size=np.int64(0))
 
 
+@pytest.mark.parametrize("block_size, error", [(2.0, TypeError), (True, TypeError), ("8", TypeError),
+                                               (0, ValueError), ((4, 2.5), TypeError),
+                                               ((4, 0), ValueError)])
+def test_quantspec_block_size_errors_are_quantizes(block_size, error):
+    """QuantSpec said ValueError where quantize says TypeError for a non-integer block size."""
+    axis = None if isinstance(block_size, tuple) else -1
+    with pytest.raises(error, match="block_size must be a positive") as spec_error:
+        jq.QuantSpec(axis=axis, block_size=block_size)
+    with pytest.raises(error) as quantize_error:
+        jq.quantize(_f32(4, 64), axis=axis, block_size=block_size)
+    assert str(spec_error.value) == str(quantize_error.value)
+
+
 # --- report -----------------------------------------------------------------------------------
 
 
@@ -308,3 +321,18 @@ def test_nnx_state_paths_end_in_value_as_the_readme_says():
     assert jq.unused_rules(state, anchored) == anchored
     q = jq.quantize_tree(state, [("kernel/value$", jq.QuantSpec())])
     assert jq.is_qtensor(q["kernel"].get_value()) and not jq.is_qtensor(q["bias"].get_value())
+
+
+def test_tree_nbytes_refuses_a_leaf_without_array_bytes():
+    """An object() leaf counted 8 bytes (its NumPy object array's pointer)."""
+    with pytest.raises(TypeError, match=r"^leaf 'b/c': a leaf of type object has no array bytes"):
+        jq.tree_nbytes({"a": jnp.ones(2), "b": {"c": object()}})
+    assert jq.tree_nbytes({"a": jnp.ones(2), "n": 1.0}) == 16
+
+
+def test_rules_passed_through_jit_as_an_argument_say_they_are_static():
+    tree = {"a": _f32(4, 8)}
+    with pytest.raises(TypeError, match=r"^rules is a traced value: rules are static"):
+        jax.jit(jq.quantize_tree)(tree, jq.QuantSpec())
+    q = jax.jit(jq.quantize_tree, static_argnames="rules")(tree, rules=jq.QuantSpec())
+    np.testing.assert_array_equal(q["a"].qvalue, jq.quantize_tree(tree)["a"].qvalue)
