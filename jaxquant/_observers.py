@@ -21,7 +21,7 @@ from jax.typing import ArrayLike
 
 from jaxquant._args import as_float_input
 from jaxquant._formats import get_format
-from jaxquant._granularity import explicit_sharding, group_reduce, layout_from_args
+from jaxquant._granularity import _is_int, explicit_sharding, group_reduce, layout_from_args
 from jaxquant._quantize import check_flags
 from jaxquant._scales import scale_from_range
 
@@ -119,6 +119,8 @@ def _check_state(state: Any, state_type: type) -> None:
 def _observer(axis: int | None, make_state, update_kernel, clip_range,
               state_type: type) -> Observer:
     """An `Observer` from a state maker, a jitted update, a range chooser and the state type."""
+    if axis is not None and not _is_int(axis):  # its range is checked against the batches
+        raise TypeError(f"axis must be an int or None, got {axis!r}.")
     @functools.lru_cache(maxsize=8)
     def shapes(groups):  # the shapes and dtypes of make_state(groups)'s fields
         return tuple((a.shape, a.dtype)

@@ -201,3 +201,12 @@ def test_update_and_compute_vmap_over_independent_states(make):
         state = cal.calibrate(obs, list(xs[i]))
         want = (state, obs.compute(state, dtype=jnp.uint8, symmetric=False))
         jax.tree.map(np.testing.assert_array_equal, jax.tree.map(lambda a, i=i: a[i], got), want)
+
+
+@pytest.mark.parametrize("make", [cal.minmax, cal.moving_average_minmax, cal.histogram,
+                                  cal.percentile, cal.mse])
+@pytest.mark.parametrize("axis", ["a", 1.0, True])
+def test_an_axis_that_is_not_an_int_is_refused_when_the_observer_is_made(make, axis):
+    """Accepted when built, refused only at the first update."""
+    with pytest.raises(TypeError, match=rf"^axis must be an int or None, got {axis!r}\.$"):
+        make(axis=axis)

@@ -679,3 +679,16 @@ def test_a_subclass_overriding_what_jaxquant_computes_is_refused():
                                                                 axis=1)}}, x), rtol=1e-6)
     with pytest.raises(ValueError, match="MyGeneral overrides DenseGeneral.__call__"):
         general.apply(general.quantize_params(params, x), x)
+
+
+def test_quantize_params_names_variables_that_are_not_the_models():
+    """None said "argument of type 'NoneType' is not iterable"."""
+    x = jnp.ones((2, 8))
+    model = nn.Dense(3)
+    variables = model.init(jax.random.key(0), x)
+    qm = quantize_linen(model, QuantConfig())
+    with pytest.raises(TypeError, match=r"^variables must be the model's variables, a dict with "
+                                        r"'params' \(what init returns\), got NoneType None\.$"):
+        qm.quantize_params(None, x)
+    with pytest.raises(TypeError, match=r"got keys \['bias', 'kernel'\]\.$"):
+        qm.quantize_params(variables["params"], x)

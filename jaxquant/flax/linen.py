@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Mapping
 
 import flax
 import flax.linen as nn
@@ -155,6 +156,11 @@ class QuantizedLinen:
         return self._run(self.module.apply, variables, *args, **kwargs)
 
     def _survey(self, variables, args, kwargs) -> dict:
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            got = f"keys {sorted(variables)}" if isinstance(variables, Mapping) else \
+                f"{type(variables).__name__} {variables!r:.60}"
+            raise TypeError(f"variables must be the model's variables, a dict with 'params' "
+                            f"(what init returns), got {got}.")
         record: dict = {}
         kwargs = {k: v for k, v in kwargs.items() if k != "mutable"}  # every one, below
         fn = lambda v: self._run(self.module.apply, v, *args, record=record, mutable=True,
