@@ -89,7 +89,9 @@ def quantize(
     ``block_size`` ``ceil(x.shape[i] / block_size[i])`` along every axis
     (tiles). ``zero_point`` has the layout of ``scale`` and the code dtype.
     ``scale`` may be of any float dtype (kept; a weakly typed one, a Python float, is
-    stored as float32), or a `QTensor` of scales.
+    stored as float32), or a `QTensor` of scales. Its values are used as given, as
+    ONNX and PyTorch use them: a zero scale saturates every nonzero value, a negative
+    one flips the codes' signs, NaN or inf dequantizes to NaN.
 
     Computed mode (``scale=None``): per-tensor (``axis=None``), per-axis
     (``axis``: the axis whose entries get their own scale), blocked (``axis``

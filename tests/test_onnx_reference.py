@@ -668,3 +668,22 @@ def test_float8_codes_exact_at_scale(fmt_name, saturate):
     ref = q.astype(fmt.dtype)
     got = np.asarray(jq.quantize(x, sc, dtype=fmt.dtype, axis=0, saturate=saturate).qvalue)
     assert_same_bits(got, ref, f"{fmt_name} saturate={saturate}")
+
+
+@pytest.mark.parametrize("dtype", ["int8", "uint8", "float8_e4m3fn"])
+def test_zero_and_negative_explicit_scales_are_used_as_onnx_uses_them(dtype):
+    """Explicit scales are not checked for sign or zero: the codes are ONNX's (per channel: a
+    zero, a negative and a positive scale side by side), and so are the dequantized values."""
+    x = np.array([[1.5, -2.25, 0.0, 7.0], [-0.5, 3.0, 100.0, -100.0]], np.float32)
+    scale = np.array([0.0, -0.5, 0.25, 2.0], np.float32)
+    zp = np.zeros(4, np_dtype(dtype))
+    want = onnx_run("QuantizeLinear", {"x": x[:, 1:], "scale": scale[1:], "zp": zp[1:]}, axis=1)
+    got = jq.quantize(x, scale, zp, dtype=np_dtype(dtype), axis=1)
+    assert_same_bits(got.qvalue[:, 1:], want, f"{dtype} codes")
+    # x / 0: a nonzero value saturates (NaN for 0 / 0: the zero point's code, as documented)
+    fmt = jq.get_format(dtype)
+    column = np.asarray(got.qvalue[:, 0]).astype(np.float32)
+    assert column[0] == fmt.qmax and column[1] == (fmt.qmin if fmt.is_integer else -fmt.qmax)
+    back = onnx_run("DequantizeLinear", {"x": np.asarray(got.qvalue), "scale": scale, "zp": zp},
+                    axis=1)
+    assert_same_bits(jq.dequantize(got), back, f"{dtype} values")
