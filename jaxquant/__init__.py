@@ -29,6 +29,7 @@ from jaxquant._report import LeafReport, format_report, quantization_report
 from jaxquant._scaled_matmul import scaled_matmul
 from jaxquant._schemes import SCHEMES, Scheme, format_name
 from jaxquant._spec import QuantSpec
+from jaxquant._transpose import transpose
 from jaxquant._tree import (
     dequantize_tree,
     match_rules,
@@ -77,6 +78,7 @@ __all__ = [
     "save_orbax",
     "save_safetensors",
     "scaled_matmul",
+    "transpose",
     "tree_nbytes",
     "unpack",
     "unpack_bits",

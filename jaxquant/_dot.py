@@ -171,7 +171,8 @@ def qdot_general(
     """``jax.lax.dot_general`` where either operand (or both) may be a `QTensor`.
 
     ``act_quant=None``: weight-only, the QTensor is dequantized inside the jitted
-    dot (any format and layout, packed or not, zero points). An `ActQuant`: the
+    dot (any format and layout, packed or not, zero points), in float32 and then cast
+    to the float operand's dtype (not rounded to the QTensor's ``dtype``). An `ActQuant`: the
     float operand is quantized to int8 on the fly and the dot runs as
     int8 x int8 -> int32 (layouts: see the module docstring). Two arrays: a
     plain ``lax.dot_general`` (``act_quant`` is still checked).

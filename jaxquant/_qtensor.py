@@ -150,6 +150,14 @@ class QTensor:
         return get_format(self.codebook or self.qvalue.dtype)
 
     @property
+    def T(self) -> QTensor:  # noqa: N802  (as arrays name it)
+        """The QTensor with its axes reversed: `jaxquant.transpose` (a kernel from a
+        PyTorch ``(out, in)`` weight), the quantized axis and block scales moved along."""
+        from jaxquant._transpose import transpose
+
+        return transpose(self)
+
+    @property
     def layout(self) -> Layout:
         """The granularity: per-tensor, per-axis, blocked or tiled."""
         if isinstance(self.block_size, tuple):
