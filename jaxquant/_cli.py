@@ -58,7 +58,7 @@ import os
 import sys
 
 from jaxquant import __version__
-from jaxquant._cli_rules import parse_rule, parse_spec, rule_warnings
+from jaxquant._cli_rules import parse_rule, parse_spec, rule_warnings, torch_layout_warning
 from jaxquant._spec import QuantSpec
 
 __all__ = ["main", "parse_spec", "parse_rule"]
@@ -178,6 +178,9 @@ def _quantize(args) -> int:
     for warning in rule_warnings(tree, rules or []):
         _err(f"jaxquant: warning: {warning}")
     specs = match_rules(tree, rules)
+    if _user_metadata(args.input).get("format") == "pt" and \
+            (warning := torch_layout_warning(specs, tree)):
+        _err(f"jaxquant: warning: {warning}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)
     out = []
     with progress_bar(total=sum(s is not None for s in specs.values()), enabled=not args.quiet,

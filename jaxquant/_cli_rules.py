@@ -195,3 +195,20 @@ def rule_warnings(tree, rules: list[tuple[str, QuantSpec | None]]) -> list[str]:
             kept.append(f"rule {pattern!r} matches only tensors that are {what} "
                         f"(kept as they are)")
     return idle + kept
+
+
+def torch_layout_warning(specs: dict, tree: dict) -> str | None:
+    """For a file PyTorch wrote (``format: pt``): a line when 2-D tensors get one scale per
+    last-axis entry, which for a ``Linear`` weight ``(out, in)`` is per input channel.
+
+    Args:
+      specs: tensor name -> the `QuantSpec` that applies, or ``None``.
+      tree: tensor name -> tensor.
+    """
+    names = [n for n, s in specs.items() if s is not None and s.block_size is None
+             and s.axis in (-1, 1) and not s.stacked and getattr(tree[n], "ndim", 0) == 2]
+    if not names:
+        return None
+    return (f"IN was saved by PyTorch (format: pt), whose Linear weights are (out, in): "
+            f"{len(names)} 2-D tensor(s) ({names[0]!r}...) get one scale per input channel "
+            f"(axis=-1); axis=0 gives one per output channel (e.g. 'weight$=int8:axis=0').")

@@ -200,3 +200,23 @@ def test_a_path_holding_an_equals_sign_after_rules_is_read_as_a_rule(src, tmp_pa
         _cli.main(["quantize", "--rules", "w=int4", src, str(tmp_path / "o=1.safetensors")])
     assert e.value.code == 2
     assert "required: OUT" in capsys.readouterr().err
+
+
+def test_a_pytorch_file_warns_when_weights_get_scales_per_input_channel(tmp_path, capsys):
+    # Hugging Face writes format=pt; the default axis=-1 is per input channel of (out, in).
+    src, out = str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")
+    rng = np.random.default_rng(0)
+    safetensors_numpy.save_file({"fc.weight": rng.standard_normal((16, 32)).astype(np.float32),
+                                 "fc.bias": rng.standard_normal(16).astype(np.float32)},
+                                src, metadata={"format": "pt"})
+    assert _cli.main(["quantize", src, out, "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"warning: IN was saved by PyTorch \(format: pt\), whose Linear weights are "
+                     r"\(out, in\): 1 2-D tensor\(s\) \('fc\.weight'\.\.\.\) get one scale per "
+                     r"input channel", err), err
+    for rules in (["weight=int8:axis=0"], ["weight=int4:axis=1:block=16"], ["weight=none"]):
+        assert _cli.main(["quantize", src, out, "--quiet", "--rules", *rules]) == 0
+        assert "PyTorch" not in capsys.readouterr().err
+    safetensors_numpy.save_file({"w": np.ones((4, 4), np.float32)}, src)  # no format=pt
+    assert _cli.main(["quantize", src, out, "--quiet"]) == 0
+    assert "PyTorch" not in capsys.readouterr().err
