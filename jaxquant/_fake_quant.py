@@ -22,8 +22,11 @@ One module-level `jax.custom_vjp` carries both estimators:
   (where ``fq - x`` and ``g * s`` are subnormal, flushed to zero by XLA:CPU) and
   subnormal scales get the formula's gradients, not zeros or NaN. The zero point is
   rounded (and clamped) in the forward pass and passed straight through in the backward
-  pass. ``lsq_grad_scale=True`` multiplies both by ``1 / sqrt(N * qmax)``, the gradient
-  scale of the LSQ paper (``N`` elements per scale).
+  pass. As in PyTorch, the backward pass of a per-tensor float zero point ``z`` reads it as
+  ``int(clamp(z + 0.5))`` (truncated: ``-1`` becomes ``0``, ``2.5`` becomes ``3``), the
+  per-channel one (and blocked ones here) as the forward's ``nearbyint(z)``.
+  ``lsq_grad_scale=True`` multiplies both by ``1 / sqrt(N * qmax)``, the gradient scale of
+  the LSQ paper (``N`` elements per scale).
 
 In computed mode with float32 absmax scales of a signed integer format (the
 QAT default), ``absmax / qmax`` maps every element into ``[-qmax, qmax]``:
@@ -93,6 +96,7 @@ class _Config:
     grad_scale: bool
     float_zero_point: bool = False  # float4 with a (zero) zero point: -0.0 codes become +0.0
     scale_kind: str = "any"  # "normal": computed float32 scales, never subnormal (`divide`)
+    learned_zero_point: bool = False  # a float zero point of an integer format (LSQ+)
 
 
 def fake_quant(
@@ -182,17 +186,18 @@ def fake_quant(
         layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
         scale = squeeze_tensor_scale(scale, layout)
         check_shards_fit(x, layout, None)
-    given_zero_point = zero_point is not None
+    given_zero_point, learned_zp = zero_point is not None, False
     if zero_point is not None:
         zero_point = zero_point_like_scale(as_zero_point(zero_point, fmt), scale)
-        if not (fmt.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)):
+        learned_zp = fmt.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)
+        if not learned_zp:
             check_zero_point(zero_point, fmt)
             zero_point = jax.lax.stop_gradient(zero_point)
         zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
     float_zp = given_zero_point and not fmt.is_integer and fmt.bits < 8
     # float4 has no inf or NaN: it clips whatever `saturate` says, and so does the STE
     config = _Config(fmt, layout, bool(saturate) or fmt.always_saturates, bool(lsq_grad_scale),
-                     float_zp, "normal" if computed and options.plain else "any")
+                     float_zp, "normal" if computed and options.plain else "any", learned_zp)
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
     if (computed and symmetric and fmt.is_integer and fmt.signed and zero_point is None
             and noise is None and options.plain):
@@ -272,6 +277,10 @@ def _fake_quant_fwd(x, scale, zero_point, noise, config):
 def _fake_quant_bwd(config: _Config, residuals, g):
     x, scale, zero_point, noise = residuals
     fmt = config.fmt
+    if config.learned_zero_point and config.layout.kind == "tensor":
+        # PyTorch's per-tensor backward reads the zero point as int(clamp(z + 0.5)), not as
+        # its forward's nearbyint(z): they differ for negative z and for ties (2.5 -> 3)
+        zero_point = jnp.trunc(jnp.clip(zero_point + 0.5, fmt.qmin, fmt.qmax))
     raw, q, zp, t = _codes(x, scale, zero_point, noise, config)
     g = g.astype(jnp.float32)
     inside = _in_range(raw, fmt, config.saturate)

@@ -376,19 +376,17 @@ def test_fake_quantize_per_channel_matches_torch(jdtype, qmin, qmax, seed):
 
 
 def _learnable_zero_points(rng, n, qmin, qmax):
-    """Non-negative float zero points, integer-valued or not, away from k + 0.5.
+    """Float zero points across and beyond ``[qmin, qmax]``: integer-valued, exact ties
+    ``k + 0.5`` and others, negative ones included.
 
-    PyTorch rounds the zero point half-to-even in the forward pass but computes
-    ``(int64)(zero_point + 0.5)`` (truncation toward zero) in the backward pass:
-    the two agree only for non-negative zero points that are not exact ties, so
-    negative ones (where truncation rounds -2.7 to -2) and ties are left out.
+    PyTorch rounds the zero point half-to-even in the forward pass; its per-tensor backward
+    pass reads it as ``(int64)(clamp(zero_point + 0.5))`` (truncation toward zero: -2.7 is
+    -2, 2.5 is 3), its per-channel backward as the forward does. jaxquant follows both.
     """
-    hi = max(qmax, 1)
-    z = rng.uniform(0.0, hi + 3.0, n)  # a few beyond qmax: clamped in both
-    integral = rng.random(n) < 0.4
-    z[integral] = np.round(z[integral])
-    frac = z - np.floor(z)
-    z = np.where(np.abs(frac - 0.5) < 0.05, z + 0.2, z)
+    lo, hi = qmin, max(qmax, 1)
+    z = rng.uniform(lo - 3.0, hi + 3.0, n)  # a few beyond the range: clamped in both
+    kind = rng.random(n)
+    z = np.where(kind < 0.3, np.round(z), np.where(kind < 0.5, np.floor(z) + 0.5, z))
     z[: min(2, n)] = [0.0, float(hi)][: min(2, n)]  # integer-valued, at the range ends
     return z.astype(np.float32)
 
@@ -447,6 +445,31 @@ def test_lsq_per_tensor_matches_torch(jdtype, qmin, qmax, seed):
                   atol=1e-6 * float(s) * np.abs(g).sum())
     # the scale gradient is not trivially zero, and the clip range is exercised
     assert abs(float(st.grad[0])) > 0 and abs(float(zt.grad[0])) > 0
+
+
+@pytest.mark.parametrize("jdtype, qmin, qmax", FQ_FORMATS)
+@pytest.mark.parametrize("z", [-3.0, -2.6, -1.0, -0.5, 0.5, 2.5, 2.6, 3.0, 300.0, -300.0])
+def test_lsq_per_tensor_zero_points_negative_ties_and_clamped_match_torch(jdtype, qmin, qmax, z):
+    """PyTorch's per-tensor backward reads z as int(clamp(z + 0.5)), its forward as nearbyint:
+    -1.0 is 0 in the backward pass, 2.5 is 3 (the random zero points above were all 0)."""
+    rng = np.random.default_rng(int(abs(z) * 10) + qmax)
+    s = np.float32(0.05)
+    x = (rng.normal(size=1500) * 0.05 * (qmax - qmin) / 2).astype(np.float32)
+    g = _upstream(rng, x.shape)
+    xt, st = torch.tensor(x, requires_grad=True), torch.tensor([s], requires_grad=True)
+    zt = torch.tensor([z], requires_grad=True)
+    yt = torch._fake_quantize_learnable_per_tensor_affine(xt, st, zt, qmin, qmax, grad_factor=1.0)
+    yt.backward(torch.from_numpy(g))
+    y, (gx, gs, gz) = _value_and_vjp(lambda x, s, z: jq.fake_quant(x, s, z, dtype=jdtype),
+                                     jnp.asarray(g), jnp.asarray(x), jnp.float32(s),
+                                     jnp.float32(z))
+    np.testing.assert_array_equal(np.asarray(y), yt.detach().numpy())
+    np.testing.assert_array_equal(np.asarray(gx), xt.grad.numpy())
+    zb = float(np.trunc(np.clip(z + 0.5, qmin, qmax)))
+    _assert_close(np.asarray(gs).reshape(1), st.grad.numpy(), rtol=1e-5,
+                  atol=_group_tol(g.astype(np.float64), zb, qmin, qmax))
+    _assert_close(np.asarray(gz).reshape(1), zt.grad.numpy(), rtol=1e-5,
+                  atol=1e-6 * float(s) * np.abs(g).sum())
 
 
 @pytest.mark.parametrize("jdtype, qmin, qmax", FQ_FORMATS)
