@@ -11,6 +11,7 @@ import numpy as np
 from jax.typing import DTypeLike
 
 from jaxquant._args import check_float_scale
+from jaxquant._bits import packed_length
 from jaxquant._formats import FORMATS, Format, get_format, value_dtype
 from jaxquant._granularity import Layout, expand, layout_from_scale, squeeze_tensor_scale
 from jaxquant._packing import PackedArray, check_packed
@@ -190,12 +191,20 @@ class QTensor:
     def nbytes(self) -> int:
         """The real storage cost in bytes: codes at their bit width, plus scale and zero point.
 
-        Unpacked sub-byte codes and zero points count as checkpoints store them,
-        packed (two int4 per byte, rounded up once); a `PackedArray` its bytes.
+        Unpacked sub-byte codes and zero points count as checkpoints store them and
+        `jaxquant.pack` packs them: along the last axis, each row rounded up to whole
+        bytes (two int4 per byte, 6-bit codes four in three bytes); a `PackedArray` its bytes.
         """
-        packed = lambda n: -(-n * self.format.bits // 8)  # noqa: E731
-        codes = self.qvalue.nbytes if self.packed else packed(self.size)
-        zp = 0 if self.zero_point is None else packed(math.prod(self.zero_point.shape))
+        bits = self.format.bits
+
+        def stored(shape) -> int:
+            shape = tuple(shape) or (1,)  # a scalar is stored as one element
+            if bits % 8 == 0:
+                return math.prod(shape) * bits // 8
+            return math.prod(shape[:-1]) * packed_length(shape[-1], bits)
+
+        codes = self.qvalue.nbytes if self.packed else stored(self.shape)
+        zp = 0 if self.zero_point is None else stored(self.zero_point.shape)
         return codes + _nbytes(self.scale) + zp
 
     @property

@@ -224,3 +224,16 @@ def test_save_safetensors_onto_a_directory_and_load_orbax_of_a_file_say_so(tmp_p
     with pytest.raises(NotADirectoryError, match=r"f: is a file, not an orbax checkpoint "
                                                  r"directory \(load_safetensors reads"):
         load_orbax(tmp_path / "f")
+
+
+@pytest.mark.parametrize("kw", [dict(dtype=jnp.int4), dict(dtype=jnp.uint4, axis=0, symmetric=False),
+                                dict(dtype="float6_e2m3fn", axis=1), dict(dtype=jnp.int2, axis=1)])
+def test_nbytes_is_what_the_file_stores_packed_or_not(tmp_path, kw):
+    """Unpacked int4 codes of shape (3, 5) counted 8 bytes (rounded once over the array); the
+    file, like jq.pack, stores them per row: 9."""
+    qt = jq.quantize(jnp.linspace(-1.0, 1.0, 15).reshape(3, 5), **kw)
+    assert qt.nbytes == jq.pack(qt).nbytes
+    save_safetensors(tmp_path / "q", {"q": qt})
+    with open(tmp_path / "q", "rb") as f:
+        stored = {k: v for k, v in safetensors.deserialize(f.read())}
+    assert sum(len(v["data"]) for v in stored.values()) == qt.nbytes

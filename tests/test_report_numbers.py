@@ -28,10 +28,10 @@ def _numpy_stats(x, qt):
 CASES = {
     "i8_blk_zp": ((8, 40), QS(block_size=16, symmetric=False), 320 + 8 * 3 * 4 + 8 * 3),
     "i4p_37": ((8, 37), QS(dtype=jnp.int4, block_size=16, packed=True), 8 * 19 + 8 * 3 * 4),
-    "i4_37": ((8, 37), QS(dtype=jnp.int4, block_size=16), 8 * 37 // 2 + 8 * 3 * 4),
+    "i4_37": ((8, 37), QS(dtype=jnp.int4, block_size=16), 8 * 19 + 8 * 3 * 4),  # as stored
     "i2p_ax0": ((37, 7), QS(dtype=jnp.int2, axis=0, block_size=8, packed=True), 37 * 2 + 5 * 7 * 4),
     "u4p_zp": ((8, 37), QS(dtype=jnp.uint4, block_size=16, packed=True, symmetric=False),
-               8 * 19 + 8 * 3 * 4 + 8 * 3 // 2),  # uint4 zero points two per byte
+               8 * 19 + 8 * 3 * 4 + 8 * 2),  # uint4 zero points two per byte, per row
     "f8e5": ((8, 40), QS(dtype=jnp.float8_e5m2, axis=None), 320 + 4),
     "mxfp6p_37": ((8, 37), QS(dtype="mxfp6_e2m3", packed=True), 8 * 30 + 8 * 2),  # 4 per 3 bytes
     "mxfp4p_ax0": ((37, 8), QS(dtype="mxfp4", axis=0, packed=True), 37 * 4 + 2 * 8),
