@@ -26,7 +26,8 @@ two tensors)::
               | "tile=" INT "x" INT ...  (scales over tiles, one length per axis;
                                           integer, float and codebook formats, not
                                           the mx* and nvfp4 composites)
-              | "packed"                 (2- and 4-bit codes two or four per byte)
+              | "packed"                 (2-, 4- and 6-bit codes: four, two per byte,
+                                          or four in three bytes)
               | "asym"                   (asymmetric: min/max with a zero point;
                                           integer formats only)
               | "nosaturate"             (float formats: no clipping to the largest value)

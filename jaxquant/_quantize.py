@@ -141,14 +141,21 @@ def quantize(
       differentiation, in every format (`jaxquant.fake_quant` has the STE gradients).
 
     Raises:
-      TypeError: non-float ``x`` or ``scale``, an argument that is not an array
-        (``None``, a string), unknown format or scale dtype,
-        zero point of another dtype, a ``key`` that is not one PRNG key.
+      TypeError: non-float ``x`` or ``scale`` (float6 and ``float8_e8m0fnu`` ``x``
+        too), an argument that is not an array (``None``, a string), unknown format
+        or scale dtype, zero point of another dtype, a ``key`` that is not one PRNG
+        key, a non-int ``axis`` or ``block_size``, a non-bool flag (``symmetric``,
+        ``saturate``, ``packed``, ``double_quant``).
       ValueError: scale/zero-point shape fits no layout, ``axis`` out of range,
         ``packed`` for an 8-bit or wider format or a scalar ``x``,
-        ``block_size <= 0``, a tile tuple of the wrong length, a block length
-        that contradicts a named format, non-zero zero point of a float
-        format, asymmetric float formats, ``zero_point`` without ``scale``.
+        ``block_size <= 0`` or without ``axis``, a tile tuple of the wrong length, a
+        block length that contradicts a named format, non-zero zero point of a float
+        format, a Python int zero point outside the codes, asymmetric float formats,
+        ``zero_point`` without ``scale``, ``scale_dtype`` / ``double_quant`` /
+        ``scale_rounding`` with an explicit scale, an unknown ``scale_rounding`` or one
+        without ``float8_e8m0fnu`` scales, ``double_quant`` with per-tensor scales or
+        with ``scale_dtype``, blocks or packed bytes of an explicitly sharded ``x``
+        that would straddle two devices.
 
     Example:
       >>> import jax.numpy as jnp
