@@ -135,7 +135,7 @@ def pack_bits(codes: jax.Array, axis: int = -1) -> jax.Array:
 
     Raises:
       TypeError: if ``codes`` is not an array of a 2- or 4-bit format.
-      ValueError: if ``axis`` is out of range.
+      ValueError: if ``codes`` is a scalar or ``axis`` is out of range.
 
     Example:
       >>> pack_bits(jnp.array([1, -1, 7], jnp.int4))

@@ -173,9 +173,10 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
     Raises:
       FileNotFoundError, IsADirectoryError: ``path`` is missing, or a directory.
       ValueError: a truncated or corrupted file (bad header, tensor, or CRC-32),
-        an unknown format version, a key of the target missing from the file,
-        an extra key in the file, a shape or QTensor metadata mismatch.
-      TypeError: a dtype or leaf kind mismatch against ``target``.
+        an unknown format version, a file without jaxquant's header (unless
+        ``allow_plain``), a key of the target missing from the file, an extra key in
+        the file, a shape or QTensor metadata mismatch.
+      TypeError: a dtype or leaf kind mismatch against ``target``; ``path`` not a path.
 
     Example:
       >>> import tempfile, jax, jax.numpy as jnp, jaxquant as jq

@@ -73,8 +73,10 @@ class QTensor:
 
     Raises:
       TypeError: codes not of a quantized format, non-float scale, mismatched
-        zero-point dtype, non-float ``dtype``, codebook codes of the wrong dtype.
-      ValueError: a scale or zero point whose shape fits no layout.
+        zero-point dtype, non-float ``dtype``, an unknown codebook or codebook codes of
+        the wrong dtype.
+      ValueError: a scale or zero point whose shape fits no layout; concrete float6
+        codebook codes of 64 or more.
 
     Example:
       >>> import jax.numpy as jnp
