@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxquant._args import as_array
 from jaxquant._bits import pack_bits, pack_fields
 from jaxquant._formats import FORMATS
 from jaxquant._leaves import stacked_axes
@@ -170,6 +171,9 @@ def _encode_array(key: str, x) -> tuple[dict, Any]:
     """
     if isinstance(x, np.generic):
         x = np.asarray(x)
+    if not isinstance(x, PackedArray | jax.Array | np.ndarray) and \
+            (hasattr(x, "__array__") or hasattr(x, "__dlpack__")):  # a torch tensor, say
+        x = as_array(x, repr(key))
     if not isinstance(x.data if isinstance(x, PackedArray) else x, (jax.Array, np.ndarray)):
         raise TypeError(f"{key!r}: only concrete arrays can be saved, got {type(x).__name__}.")
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):

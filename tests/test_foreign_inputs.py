@@ -57,3 +57,22 @@ def test_objects_that_only_have_a_dtype_are_refused_naming_x(x):
         jq.quantize(x)
     with pytest.raises(TypeError, match=rf"^x must be an array, got {type(x).__name__}"):
         jq.fake_quant(x)
+
+
+@pytest.mark.parametrize("save, load", [(jq.save_safetensors, jq.load_safetensors),
+                                        (jq.save_orbax, jq.load_orbax)])
+def test_a_quantized_state_dict_with_torch_leaves_left_float_is_saved(tmp_path, save, load):
+    """quantize_tree keeps unmatched torch tensors; saving them said "only concrete arrays
+    can be saved, got Tensor"."""
+    if save is jq.save_orbax:
+        pytest.importorskip("orbax.checkpoint")
+    g = torch.Generator().manual_seed(2)
+    state = {"fc.weight": torch.randn(8, 16, generator=g), "fc.bias": torch.randn(8, generator=g),
+             "norm.weight": torch.randn(16, generator=g).to(torch.bfloat16)}
+    q = jq.quantize_tree(state)
+    assert isinstance(q["fc.bias"], torch.Tensor)
+    save(tmp_path / "m", q)
+    back = load(tmp_path / "m")
+    np.testing.assert_array_equal(back["fc.bias"], state["fc.bias"].numpy())
+    np.testing.assert_array_equal(back["norm.weight"], _numpy(state["norm.weight"]))
+    np.testing.assert_array_equal(back["fc.weight"].qvalue, q["fc.weight"].qvalue)
