@@ -34,9 +34,9 @@ def as_array(value, argname: str) -> jax.Array:
         if isinstance(value, str | bytes):  # jnp.asarray would read "a" as a dtype alias
             raise TypeError("a string is not an array")
         return jnp.asarray(value)
-    except (TypeError, ValueError, OverflowError) as e:  # OverflowError: a Python int > int32
-        if hasattr(value, "__dlpack__"):  # a torch.bfloat16 tensor has no NumPy view
-            try:
+    except (TypeError, ValueError, OverflowError, RuntimeError) as e:  # a Python int > int32;
+        if hasattr(value, "__dlpack__"):  # torch: bfloat16 has no NumPy view, a Parameter
+            try:  # refuses one ("use tensor.detach()"), strides DLPack cannot take
                 return jnp.from_dlpack(value)
             except (TypeError, ValueError, RuntimeError, BufferError):
                 pass

@@ -179,7 +179,7 @@ def _quantize(args) -> int:
     for warning in rule_warnings(tree, rules or []):
         _err(f"jaxquant: warning: {warning}")
     specs = match_rules(tree, rules)
-    if _user_metadata(args.input).get("format") == "pt" and \
+    if not rules and _user_metadata(args.input).get("format") == "pt" and \
             (warning := torch_layout_warning(specs, tree)):
         _err(f"jaxquant: warning: {warning}")
     leaves, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_record)
@@ -272,8 +272,8 @@ def _rules_last(argv: list[str]) -> list[str]:
         return argv
     kinds, in_rules = [], False  # per word: "option", "rule" or "positional"
     for word in argv[1:]:
-        if word.startswith("-"):
-            in_rules = word == "--rules"
+        if word.startswith("-"):  # argparse takes a prefix: --rule, --rul
+            in_rules = word.startswith("--r") and "--rules".startswith(word)
             kinds.append("option")
         else:
             kinds.append("rule" if in_rules else "positional")

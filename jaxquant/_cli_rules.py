@@ -198,8 +198,8 @@ def rule_warnings(tree, rules: list[tuple[str, QuantSpec | None]]) -> list[str]:
 
 
 def torch_layout_warning(specs: dict, tree: dict) -> str | None:
-    """For a file PyTorch wrote (``format: pt``): a line when 2-D tensors get one scale per
-    last-axis entry, which for a ``Linear`` weight ``(out, in)`` is per input channel.
+    """For a file PyTorch wrote (``format: pt``) quantized without rules: a line when 2-D
+    tensors get one scale per last-axis entry, per input channel of a ``Linear`` weight.
 
     Args:
       specs: tensor name -> the `QuantSpec` that applies, or ``None``.
@@ -209,6 +209,8 @@ def torch_layout_warning(specs: dict, tree: dict) -> str | None:
              and s.axis in (-1, 1) and not s.stacked and getattr(tree[n], "ndim", 0) == 2]
     if not names:
         return None
-    return (f"IN was saved by PyTorch (format: pt), whose Linear weights are (out, in): "
-            f"{len(names)} 2-D tensor(s) ({names[0]!r}...) get one scale per input channel "
-            f"(axis=-1); axis=0 gives one per output channel (e.g. 'weight$=int8:axis=0').")
+    return (f"IN was saved by PyTorch (format: pt): without --rules its {len(names)} 2-D "
+            f"tensor(s) ({names[0]!r}...) get one scale per last-axis entry, which for a "
+            f"Linear weight (out, in) is per input channel; axis=0 gives one per output "
+            f"channel (e.g. --rules 'weight$=int8:axis=0'). Weights stored (in, out), as "
+            f"GPT-2's Conv1D, are per output channel as they are.")

@@ -56,9 +56,14 @@ def leaf_dtype(leaf):
     if not hasattr(leaf, "dtype"):
         return np.asarray(leaf).dtype
     known = known_dtype(leaf.dtype)
-    if known is None and jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
-        return leaf.dtype
-    return known if known is not None else np.asarray(leaf).dtype
+    if known is not None:
+        return known
+    try:
+        if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.extended):
+            return leaf.dtype
+        return np.asarray(leaf).dtype
+    except (TypeError, RuntimeError):  # torch.quint8: no NumPy or JAX dtype
+        raise TypeError(f"a leaf of dtype {leaf.dtype} has no NumPy or JAX dtype") from None
 
 
 def stacked_axes(qt: QTensor, where: str) -> int:

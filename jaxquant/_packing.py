@@ -65,8 +65,10 @@ class PackedArray:
         n, a = len(self.shape), self.axis
         if self.bits is None:  # names the field for an unknown or codebook format ("nf4")
             check_packable(self.dtype, "PackedArray dtype")
-        for k, v in (("dtype", jnp.dtype(self.dtype)), ("shape", tuple(self.shape)),
-                     ("axis", a + n if isinstance(a, int | np.integer) and -n <= a < 0 else a)):
+        ints = lambda v: int(v) if isinstance(v, np.integer) else v  # noqa: E731  (JSON, hash)
+        a = ints(a)
+        for k, v in (("dtype", jnp.dtype(self.dtype)), ("shape", tuple(map(ints, self.shape))),
+                     ("axis", a + n if isinstance(a, int) and -n <= a < 0 else a)):
             object.__setattr__(self, k, v)
         check_record(self)
 

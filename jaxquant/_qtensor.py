@@ -117,8 +117,10 @@ class QTensor:
                     f"indices; got codebook={codebook!r} with qvalue.dtype {qvalue.dtype}.")
             if zero_point is not None:
                 raise ValueError(f"codebook format {codebook} takes no zero_point.")
-            if fmt.bits == 6 and not isinstance(qvalue, PackedArray | jax.core.Tracer) and \
-                    qvalue.size and (top := int(jnp.max(qvalue))) >= 64:
+            concrete = isinstance(qvalue, np.ndarray | jax.Array) and \
+                not isinstance(qvalue, jax.core.Tracer)  # not a placeholder or a tracer
+            if fmt.bits == 6 and concrete and qvalue.size and \
+                    (top := int(jnp.max(qvalue))) >= 64:
                 raise ValueError(f"qvalue: {fmt.name} codes are 6-bit indices (0 to 63), got "
                                  f"a code {top}.")
         check_float_scale(scale.dtype)

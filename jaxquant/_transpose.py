@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxquant._args import as_array
 from jaxquant._granularity import normalize_axis
@@ -27,6 +28,8 @@ __all__ = ["transpose"]
 def _permutation(axes, ndim: int) -> tuple[int, ...]:
     if axes is None:
         return tuple(reversed(range(ndim)))
+    if isinstance(axes, np.ndarray):  # as jnp.transpose takes them
+        axes = axes.tolist()
     if not isinstance(axes, Sequence) or isinstance(axes, str):
         raise TypeError(f"axes must be None or a sequence of ints, got {axes!r}.")
     perm = tuple(normalize_axis(a, ndim, "axes") for a in axes)
@@ -48,8 +51,9 @@ def transpose(x, axes: Sequence[int] | None = None):
     Returns:
       The transposed `QTensor`: a per-axis or blocked ``axis`` moves with its axis,
       block scales (and a two-level scale's tiles) are transposed, tile lengths are
-      permuted, and packed codes are packed again along the last axis. An array gives
-      ``jnp.transpose(x, axes)``.
+      permuted, and packed codes are packed again along the last axis (along their old
+      axis where the last one is split across devices so that a byte would straddle
+      two). An array gives ``jnp.transpose(x, axes)``.
 
     Raises:
       TypeError: ``axes`` not a sequence of ints.
@@ -88,4 +92,9 @@ def transpose(x, axes: Sequence[int] | None = None):
         block_size = tuple(block_size[p] for p in perm)
     out = QTensor(codes, scale, zero_point, axis=axis, block_size=block_size, dtype=x.dtype,
                   codebook=x.codebook)
-    return pack(out) if packed else out
+    if not packed:
+        return out
+    try:
+        return pack(out)
+    except ValueError:  # the last axis is split across devices: bytes along the old axis
+        return pack(out, perm.index(x.qvalue.axis))

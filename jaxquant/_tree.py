@@ -88,7 +88,10 @@ def _check_rules(rules: Rules):
 
 
 def _is_float(leaf) -> bool:
-    return hasattr(leaf, "dtype") and jnp.issubdtype(leaf_dtype(leaf), jnp.floating)
+    try:
+        return hasattr(leaf, "dtype") and jnp.issubdtype(leaf_dtype(leaf), jnp.floating)
+    except TypeError:  # a dtype of another library's own (torch.quint8): kept as it is
+        return False
 
 
 def _select(path: str, leaf, rules) -> tuple[QuantSpec | None, int | None]:

@@ -15,20 +15,18 @@ __all__ = ["as_zero_point", "check_zero_point", "zero_point_like_scale"]
 
 
 def as_zero_point(value, fmt: Format) -> jax.Array:
-    """``value`` as a zero point of the format ``fmt`` (a `Format`): a Python int (weakly
-    typed) becomes the code dtype, as ONNX's zero point has it.
+    """``value`` as a zero point of the format ``fmt`` (a `Format`): a Python int becomes
+    the code dtype, as ONNX's zero point has it.
 
     Raises:
       ValueError: a Python int outside the codes' range ``[fmt.qmin, fmt.qmax]``.
     """
-    zp = as_array(value, "zero_point")
-    if not (zp.weak_type and jnp.issubdtype(zp.dtype, jnp.integer)):
-        return zp  # its dtype is checked against the format's
-    if not isinstance(zp, jax.core.Tracer) and zp.size and \
-            not fmt.qmin <= int(jnp.min(zp)) <= int(jnp.max(zp)) <= fmt.qmax:
-        raise ValueError(f"zero_point must lie within the {fmt.name} codes [{fmt.qmin:g}, "
-                         f"{fmt.qmax:g}], got {value!r}.")
-    return zp.astype(fmt.dtype)
+    if isinstance(value, int) and not isinstance(value, bool):  # concrete, also under jit
+        if not fmt.qmin <= value <= fmt.qmax:
+            raise ValueError(f"zero_point must lie within the {fmt.name} codes [{fmt.qmin:g}, "
+                             f"{fmt.qmax:g}], got {value!r}.")
+        return jnp.asarray(value, fmt.dtype)
+    return as_array(value, "zero_point")  # its dtype is checked against the format's
 
 
 def zero_point_like_scale(zero_point, scale):
@@ -59,7 +57,10 @@ def check_zero_point(zero_point, fmt: Format) -> None:
       ValueError: on a concrete non-zero zero point of a float format.
     """
     if np.dtype(zero_point.dtype) != fmt.dtype:
-        hint = (f"; pass dtype=jnp.{zero_point.dtype} to quantize to that format"
+        hint = (f" (a weakly typed int, such as a Python int traced by jit: pass it as "
+                f"jnp.{fmt.name} codes)"
+                if getattr(zero_point, "weak_type", False) else
+                f"; pass dtype=jnp.{zero_point.dtype} to quantize to that format"
                 if np.dtype(zero_point.dtype).name in FORMATS else "")
         raise TypeError(
             f"zero_point must have the code dtype {fmt.name}, got {zero_point.dtype}{hint}."

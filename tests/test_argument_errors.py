@@ -264,3 +264,10 @@ def test_promote_dtype_is_flax_promote_dtype_for_arrays():
         linen.dtypes.promote_dtype(jnp.ones(2), dtype=jnp.int32)
     with pytest.raises(TypeError, match=r"^args\[0\] must be an array, got str"):
         jq.promote_dtype("x", jnp.ones(2))
+
+
+def test_a_traced_python_int_zero_point_is_refused_not_wrapped():
+    """A jit-traced 300 was cast to uint4 (12) silently."""
+    x = jnp.ones(4)
+    with pytest.raises(TypeError, match=r"a Python int traced by jit: pass it as jnp\.uint4 "):
+        jax.jit(lambda z: jq.quantize(x, 0.1, z, dtype=jnp.uint4))(300)

@@ -237,3 +237,17 @@ def test_nbytes_is_what_the_file_stores_packed_or_not(tmp_path, kw):
     with open(tmp_path / "q", "rb") as f:
         stored = {k: v for k, v in safetensors.deserialize(f.read())}
     assert sum(len(v["data"]) for v in stored.values()) == qt.nbytes
+
+
+def test_stacked_float6_layers_load_back(tmp_path):
+    """The constructor's check of float6 codes read placeholders' values: loading a stack of
+    float6 layers (each layer checked on ShapeDtypeStructs) failed."""
+    w = jnp.linspace(-3.0, 3.0, 180).reshape(3, 6, 10)
+    stack = jax.vmap(lambda a: jq.quantize(a, dtype="float6_e2m3fn"))(w)
+    for save, load in [(save_safetensors, load_safetensors), (save_orbax, load_orbax)]:
+        save(tmp_path / save.__name__, {"w": stack})
+        back = load(tmp_path / save.__name__)["w"]
+        np.testing.assert_array_equal(back.qvalue, stack.qvalue)
+    abstract = jq.QTensor(jax.ShapeDtypeStruct((4, 8), jnp.uint8),
+                          jax.ShapeDtypeStruct((), jnp.float32), codebook="float6_e2m3fn")
+    assert abstract.shape == (4, 8)

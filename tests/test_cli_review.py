@@ -211,12 +211,22 @@ def test_a_pytorch_file_warns_when_weights_get_scales_per_input_channel(tmp_path
                                 src, metadata={"format": "pt"})
     assert _cli.main(["quantize", src, out, "--quiet"]) == 0
     err = capsys.readouterr().err
-    assert re.search(r"warning: IN was saved by PyTorch \(format: pt\), whose Linear weights are "
-                     r"\(out, in\): 1 2-D tensor\(s\) \('fc\.weight'\.\.\.\) get one scale per "
-                     r"input channel", err), err
-    for rules in (["weight=int8:axis=0"], ["weight=int4:axis=1:block=16"], ["weight=none"]):
+    assert re.search(r"warning: IN was saved by PyTorch \(format: pt\): without --rules its 1 2-D "
+                     r"tensor\(s\) \('fc\.weight'\.\.\.\) get one scale per last-axis entry, "
+                     r"which for a Linear weight \(out, in\) is per input channel", err), err
+    for rules in (["weight=int8:axis=0"], ["weight=int8:axis=1"], ["weight=none"]):  # chosen
         assert _cli.main(["quantize", src, out, "--quiet", "--rules", *rules]) == 0
         assert "PyTorch" not in capsys.readouterr().err
     safetensors_numpy.save_file({"w": np.ones((4, 4), np.float32)}, src)  # no format=pt
     assert _cli.main(["quantize", src, out, "--quiet"]) == 0
     assert "PyTorch" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--rule", "--rul", "--rules"])
+def test_an_abbreviated_rules_option_after_in_and_out(src, tmp_path, capsys, option):
+    """argparse takes --rule for --rules; the reordering read its rules as IN and OUT."""
+    out = str(tmp_path / "out.safetensors")
+    assert _cli.main(["quantize", src, out, "--quiet", option, "w=int4"]) == 0
+    assert jq.load_safetensors(out)["w"].qvalue.dtype == jnp.int4
+    assert _cli.main(["quantize", option, "w=int8", src, out, "--quiet"]) == 0
+    assert jq.load_safetensors(out)["w"].qvalue.dtype == jnp.int8

@@ -80,3 +80,11 @@ def test_serialized_export_takes_and_returns_qtensors(name):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
                                       np.asarray(b).reshape(-1).view(np.uint8))
+
+
+def test_a_packed_array_built_with_numpy_ints_serializes():
+    codes = jnp.array([[1, -2, 3, 7]], jnp.int4)
+    p = jq.PackedArray(jq.pack_bits(codes), jnp.int4, (np.int64(1), np.int64(4)), np.int64(1))
+    assert type(p.axis) is int and all(type(d) is int for d in p.shape)
+    exported = jax.export.export(jax.jit(lambda p: p.unpack()))(p)
+    np.testing.assert_array_equal(jax.export.deserialize(exported.serialize()).call(p), codes)

@@ -67,3 +67,19 @@ def test_state_that_does_not_fit_the_target_is_refused():
     with pytest.raises(ValueError, match=r"a QTensor state dict has the keys "
                                          r"\['qvalue', 'scale', 'zero_point'\], got \['qvalue'\]"):
         serialization.from_state_dict(tree, {"w": {"qvalue": state["w"]["qvalue"]}})
+
+
+def test_state_of_another_format_or_zero_point_is_refused():
+    w = jnp.ones((6, 40))
+    target = {"k": jq.quantize(w, axis=1)}
+    for other in (jq.quantize(w, dtype=jnp.uint8, symmetric=False, axis=1),
+                  jq.quantize(w, dtype=jnp.float8_e4m3fn, axis=1)):
+        with pytest.raises(ValueError, match=r"QTensor state: qvalue holds \['(uint8|float8_"
+                                             r"e4m3fn)'\], the target \['int8'\]"):
+            serialization.from_bytes(target, serialization.to_bytes({"k": other}))
+    with_zp = {"k": jq.quantize(w, dtype=jnp.uint8, symmetric=False, axis=1)}
+    state = serialization.to_state_dict(with_zp)
+    state["k"]["zero_point"] = None
+    with pytest.raises(ValueError, match=r"QTensor state: zero_point holds \[\], the target "
+                                         r"\['uint8'\]"):
+        serialization.from_state_dict(with_zp, state)

@@ -76,3 +76,20 @@ def test_a_quantized_state_dict_with_torch_leaves_left_float_is_saved(tmp_path, 
     np.testing.assert_array_equal(back["fc.bias"], state["fc.bias"].numpy())
     np.testing.assert_array_equal(back["norm.weight"], _numpy(state["norm.weight"]))
     np.testing.assert_array_equal(back["fc.weight"].qvalue, q["fc.weight"].qvalue)
+
+
+def test_parameters_and_quantized_torch_leaves():
+    param = torch.nn.Parameter(torch.randn(4, 8))
+    with pytest.raises(TypeError, match=r"(?s)^x must be an array, got Parameter .*detach"):
+        jq.quantize(param)
+    np.testing.assert_array_equal(jq.quantize(param.detach()).qvalue,
+                                  jq.quantize(param.detach().numpy()).qvalue)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates its quantized tensors
+        qint = torch.quantize_per_tensor(torch.randn(4, 8), 0.1, 0, torch.quint8)
+    tree = jq.quantize_tree({"w": torch.randn(4, 8), "q": qint})
+    assert tree["q"] is qint and jq.is_qtensor(tree["w"])  # kept: no NumPy or JAX dtype
+    with pytest.raises(TypeError, match=r"^leaf 'q': a leaf of dtype torch\.quint8 has no NumPy"):
+        jq.tree_nbytes({"q": qint})

@@ -94,3 +94,24 @@ def test_arrays_pass_to_jnp_transpose_and_bad_axes_are_named():
         jq.transpose(qt, (0, 2))
     with pytest.raises(TypeError, match=r"axes must be None or a sequence of ints, got 1"):
         jq.transpose(qt, 1)
+
+
+def test_a_sharded_packed_weight_keeps_its_bytes_on_their_devices():
+    # (8, 32) sharded 8 ways along axis 0, packed along axis 1: the repack along the new last
+    # axis (8 rows over 8 devices) would straddle devices, so the bytes stay along the old one.
+    from host_mesh import host_mesh, spec_of
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = host_mesh((4, 2), ("a", "b"))
+    w = jax.device_put(jnp.asarray(_W[:8, :32]), NamedSharding(mesh, P(("a", "b"), None)))
+    qt = jq.quantize(w, dtype=jnp.int4, axis=0, packed=True)
+    t = jq.transpose(qt)
+    assert (t.shape, t.axis, t.qvalue.axis) == ((32, 8), 1, 0)
+    assert spec_of(t.qvalue) == P(None, ("a", "b"))
+    np.testing.assert_array_equal(jq.dequantize(t), np.asarray(jq.dequantize(qt)).T)
+
+
+def test_axes_as_a_numpy_array():
+    qt = jq.quantize(_W, axis=0)
+    assert _bits(jq.transpose(qt, np.array([1, 0]))) == _bits(qt.T)

@@ -18,6 +18,7 @@ Example:
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from flax import serialization
 
 from jaxquant._leaves import stacked_axes
@@ -41,6 +42,13 @@ def _from_state(target, state: dict, name: str = "."):
                          f"{sorted(fields)}, got {got}.")
     children = [serialization.from_state_dict(getattr(target, k), state[k], name=f"{name}/{k}")
                 for k in fields]
+    for k, t, c in zip(fields, (getattr(target, k) for k in fields), children, strict=True):
+        want, got = jax.tree.leaves(t), jax.tree.leaves(c)  # a zero point, a code format
+        if jax.tree.structure(t) != jax.tree.structure(c) or any(
+                jnp.dtype(a.dtype) != jnp.dtype(b.dtype) for a, b in zip(want, got, strict=True)):
+            raise ValueError(f"{type(target).__name__} state: {k} holds "
+                             f"{[jnp.dtype(b.dtype).name for b in got]}, the target "
+                             f"{[jnp.dtype(a.dtype).name for a in want]}.")
     record = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target),
                                           jax.tree_util.tree_leaves(children))
     if isinstance(record, QTensor):  # arrays that fit the target's metadata (stacks too)
