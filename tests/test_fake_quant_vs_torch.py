@@ -174,29 +174,37 @@ def test_half_precision_inputs_match_torch(tdtype, jdtype, per_channel):
     np.testing.assert_array_equal(np.asarray(gx.astype(jnp.float32)), xt.grad.float().numpy())
 
 
-def test_vmap_over_per_tensor_scales_is_per_channel():
+def test_vmap_over_per_tensor_scales_is_torch_per_tensor_on_each_slice():
     # vmap of per-tensor LSQ over a batch of scales and zero points (in and out axis 1 of a
-    # 4-D input) equals torch's per-channel op on that axis.
+    # 4-D input) equals torch's per-tensor op on each slice. (Its per-channel op reads the
+    # zero point otherwise in the backward pass: nearbyint(z), not int(z + 0.5); negative
+    # zero points tell the two apart.)
     rng = np.random.default_rng(14)
     shape = (3, 6, 5, 7)
     s = rng.uniform(0.02, 0.05, 6).astype(np.float32)
     z = rng.uniform(-3.4, 3.4, 6).astype(np.float32)
-    z = np.where(np.abs(z - np.floor(z) - 0.5) < 0.05, z + 0.2, z).astype(np.float32)
     x = rng.uniform(-5, 5, shape).astype(np.float32)
     g = rng.standard_normal(shape).astype(np.float32)
-    xt, st, zt = (torch.tensor(v, requires_grad=True) for v in (x, s, z))
-    yt = torch._fake_quantize_learnable_per_channel_affine(xt, st, zt, 1, -128, 127, 1.0)
-    yt.backward(torch.from_numpy(g))
+    want_y, want_gx = np.empty(shape, np.float32), np.empty(shape, np.float32)
+    want_gs, want_gz = np.empty(6, np.float32), np.empty(6, np.float32)
+    for c in range(6):
+        xt = torch.tensor(x[:, c], requires_grad=True)
+        st, zt = (torch.tensor([v[c]], requires_grad=True) for v in (s, z))
+        yt = torch._fake_quantize_learnable_per_tensor_affine(xt, st, zt, -128, 127, 1.0)
+        yt.backward(torch.from_numpy(g[:, c]))
+        want_y[:, c], want_gx[:, c] = yt.detach().numpy(), xt.grad.numpy()
+        want_gs[c], want_gz[c] = st.grad.item(), zt.grad.item()
 
     def per_tensor(x, s, z):
         return jq.fake_quant(x, s, z)
 
     f = jax.vmap(per_tensor, in_axes=(1, 0, 0), out_axes=1)
     y, (gx, gs, gz) = _vjp(f, jnp.asarray(g), jnp.asarray(x), jnp.asarray(s), jnp.asarray(z))
-    np.testing.assert_array_equal(np.asarray(y), yt.detach().numpy())
-    np.testing.assert_array_equal(np.asarray(gx), xt.grad.numpy())
-    np.testing.assert_allclose(np.asarray(gs), st.grad.numpy(), rtol=1e-5, atol=1e-3)
-    np.testing.assert_allclose(np.asarray(gz), zt.grad.numpy(), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(y), want_y)
+    np.testing.assert_array_equal(np.asarray(gx), want_gx)
+    np.testing.assert_allclose(np.asarray(gs), want_gs, rtol=1e-5, atol=1e-3)
+    np.testing.assert_allclose(np.asarray(gz), want_gz, rtol=1e-5, atol=1e-6)
+    assert (z < -0.5).any()  # where the two torch ops differ
 
 
 def _lsq_reference(x, s, z, g, qmin, qmax):
