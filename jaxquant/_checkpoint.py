@@ -72,10 +72,8 @@ def _safetensors():
         import safetensors
         import safetensors.numpy
     except ImportError as e:  # pragma: no cover - exercised only without the extra
-        raise ImportError(
-            "safetensors checkpoints need the 'safetensors' package: "
-            "pip install 'jaxquant[io]'"
-        ) from e
+        raise ImportError("safetensors checkpoints need the 'safetensors' package: "
+                          "pip install 'jaxquant[io]'") from e
     return safetensors
 
 
