@@ -61,8 +61,7 @@ def _save_bar(tree: Any, progress: bool):
 def _path(path, argname: str = "path") -> str:
     """``path`` as a ``str`` (a ``bytes`` path decoded), or a TypeError naming ``argname``."""
     if not isinstance(path, str | bytes | os.PathLike):
-        raise TypeError(f"{argname} must be a str or os.PathLike, got {type(path).__name__} "
-                        f"{path!r:.80}.")
+        raise TypeError(f"{argname} must be a str or os.PathLike, got {type(path).__name__}.")
     return os.fsdecode(os.fspath(path))
 
 
