@@ -11,7 +11,8 @@ from jaxquant._args import known_dtype
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, check_consistent
 
-__all__ = ["is_record", "is_abstract", "leaf_dtype", "leaf_nbytes", "stacked_axes"]
+__all__ = ["is_record", "is_abstract", "leaf_dtype", "leaf_nbytes", "stacked_axes",
+           "layer_by_layer"]
 
 
 def is_record(x) -> bool:
@@ -74,7 +75,12 @@ def stacked_axes(qt: QTensor, where: str) -> int:
     Raises:
       ValueError, TypeError: no such number (`check_consistent`'s error, naming ``where``).
     """
-    for k in range(qt.ndim + 1):
+    try:  # the common case, a plain QTensor: no views to build
+        check_consistent(qt)
+        return 0
+    except (TypeError, ValueError):
+        pass
+    for k in range(1, qt.ndim + 1):
         view = jax.tree.map(lambda a, k=k: jax.ShapeDtypeStruct(a.shape[k:], a.dtype), qt)
         try:
             check_consistent(view)
@@ -83,3 +89,12 @@ def stacked_axes(qt: QTensor, where: str) -> int:
             continue
     check_consistent(qt, where)  # raises
     return 0
+
+
+def layer_by_layer(fn, qt: QTensor):
+    """``fn(qt)``, or for a `QTensor` of layers stacked by ``jax.vmap`` / ``lax.scan`` its
+    ``fn`` of each layer (``jax.vmap`` over the leading axes `stacked_axes` finds), for
+    functions that rebuild one layer's record (`pack`, `unpack`, `transpose`)."""
+    for _ in range(stacked_axes(qt, "x")):
+        fn = jax.vmap(fn)
+    return fn(qt)

@@ -236,12 +236,8 @@ def pack(x, axis: int = -1):
       >>> jq.pack(qt).nbytes, qt.nbytes
       (7, 7)
     """
-    if hasattr(x, "qvalue") and (k := _stacked(x)):  # a QTensor of stacked layers
-        return _per_layer(lambda q: pack(q, axis), x, k)
-    if hasattr(x, "qvalue"):  # a QTensor
-        if x.format.bits == 6 and not isinstance(x.qvalue, PackedArray):  # float6 codebooks
-            return dataclasses.replace(x, qvalue=_pack_six(x.qvalue, axis, x.format.name))
-        return dataclasses.replace(x, qvalue=pack(x.qvalue, axis))
+    if hasattr(x, "qvalue"):  # a QTensor, of stacked layers too: one layer at a time
+        return _layer_by_layer(lambda q: _pack_codes_of(q, axis), x)
     if isinstance(x, PackedArray):  # repacked only along another axis
         if normalize_axis(axis, x.ndim) == x.axis:
             return x
@@ -276,21 +272,19 @@ def unpack(x):
     if isinstance(x, PackedArray):
         return x.unpack()
     if hasattr(x, "qvalue") and isinstance(x.qvalue, PackedArray):
-        if k := _stacked(x):
-            return _per_layer(unpack, x, k)
-        return dataclasses.replace(x, qvalue=x.qvalue.unpack())
+        return _layer_by_layer(lambda q: dataclasses.replace(q, qvalue=q.qvalue.unpack()), x)
     return x
 
 
-def _stacked(qt) -> int:
-    """How many leading axes of layers ``qt`` holds (`jaxquant._leaves.stacked_axes`)."""
-    from jaxquant._leaves import stacked_axes  # (which imports this module)
+def _pack_codes_of(qt, axis: int):
+    """One layer's QTensor with its codes packed along ``axis`` (see `pack`)."""
+    if qt.format.bits == 6 and not isinstance(qt.qvalue, PackedArray):  # float6 codebooks
+        return dataclasses.replace(qt, qvalue=_pack_six(qt.qvalue, axis, qt.format.name))
+    return dataclasses.replace(qt, qvalue=pack(qt.qvalue, axis))
 
-    return stacked_axes(qt, "x")
 
+def _layer_by_layer(fn, qt):
+    """`jaxquant._leaves.layer_by_layer` (that module imports this one)."""
+    from jaxquant._leaves import layer_by_layer
 
-def _per_layer(fn, qt, k: int):
-    """``fn`` of each layer of ``qt``, over its ``k`` leading axes of stacked layers."""
-    for _ in range(k):
-        fn = jax.vmap(fn)
-    return fn(qt)
+    return layer_by_layer(fn, qt)

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from jaxquant._args import as_array
 from jaxquant._granularity import normalize_axis
+from jaxquant._leaves import layer_by_layer
 from jaxquant._packing import PackedArray, pack
 from jaxquant._qtensor import QTensor
 
@@ -70,14 +70,10 @@ def transpose(x, axes: Sequence[int] | None = None):
     """
     if not isinstance(x, QTensor):
         return jnp.transpose(as_array(x, "x"), axes)
-    from jaxquant._leaves import stacked_axes  # (it imports the records' modules)
+    return layer_by_layer(lambda q: _transpose_layer(q, axes), x)
 
-    k = stacked_axes(x, "x")
-    if k:
-        fn = lambda q: transpose(q, axes)  # noqa: E731
-        for _ in range(k):
-            fn = jax.vmap(fn)
-        return fn(x)
+
+def _transpose_layer(x: QTensor, axes) -> QTensor:
     perm = _permutation(axes, x.ndim)
     packed = isinstance(x.qvalue, PackedArray)
     codes = jnp.transpose(x.qvalue.unpack() if packed else x.qvalue, perm)
@@ -86,7 +82,7 @@ def transpose(x, axes: Sequence[int] | None = None):
     if layout.kind in ("axis", "block"):
         axis = perm.index(layout.axis)
     if layout.kind in ("block", "tile"):
-        scale = transpose(scale, perm)
+        scale = transpose(scale, perm)  # a two-level scale is a QTensor
         zero_point = None if zero_point is None else jnp.transpose(zero_point, perm)
     if layout.kind == "tile":
         block_size = tuple(block_size[p] for p in perm)
