@@ -17,6 +17,8 @@ This module holds the bit-level functions on arrays; `jaxquant._packing` holds t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -88,12 +90,14 @@ def _unpack6(packed: jax.Array, length: int, axis: int) -> jax.Array:
     return lax.slice_in_dim(out, 0, length, axis=axis)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "axis"))
 def pack_fields(u: jax.Array, bits: int, axis: int) -> jax.Array:
     """Packs uint8 bit fields ``u`` (each ``< 2**bits``) along a non-negative ``axis``.
 
     The fast path: codes computed as 8-bit integers are packed without ever
     materializing a sub-byte array (``astype(jnp.int4)`` is several times
-    slower on XLA:CPU than the same maths in bytes).
+    slower on XLA:CPU than the same maths in bytes). Jitted: an eager call (`jaxquant.pack`)
+    runs one program, not one dispatch per operation.
     """
     if bits == 6:
         return _pack6(u, axis)
@@ -102,8 +106,12 @@ def pack_fields(u: jax.Array, bits: int, axis: int) -> jax.Array:
     return jnp.sum(u << _shifts(bits, u.ndim, axis + 1), axis=axis + 1, dtype=jnp.uint8)
 
 
+@functools.partial(jax.jit, static_argnames=("bits", "length", "axis"))
 def unpack_fields(packed: jax.Array, bits: int, length: int, axis: int) -> jax.Array:
-    """Inverse of `pack_fields`: uint8 bit fields, ``length`` of them along ``axis``."""
+    """Inverse of `pack_fields`: uint8 bit fields, ``length`` of them along ``axis``.
+
+    Jitted, as `pack_fields`: an eager call runs one program, not one dispatch per operation.
+    """
     if bits == 6:
         return _unpack6(packed, length, axis)
     per = 8 // bits
@@ -145,9 +153,13 @@ def pack_bits(codes: jax.Array, axis: int = -1) -> jax.Array:
     bits = check_packable(codes.dtype, "codes")
     if codes.ndim == 0:
         raise ValueError("codes must have at least one dimension to be packed, got a scalar.")
-    axis = normalize_axis(axis, codes.ndim)
-    u = lax.bitcast_convert_type(codes, _UNSIGNED[bits]).astype(jnp.uint8)
-    return pack_fields(u, bits, axis)
+    return _pack_codes(codes, bits, normalize_axis(axis, codes.ndim))
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "axis"))
+def _pack_codes(codes: jax.Array, bits: int, axis: int) -> jax.Array:
+    return pack_fields(lax.bitcast_convert_type(codes, _UNSIGNED[bits]).astype(jnp.uint8),
+                       bits, axis)
 
 
 def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1) -> jax.Array:
@@ -179,6 +191,12 @@ def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1
         raise ValueError("packed must have at least one dimension, got a scalar.")
     if isinstance(length, bool | np.bool_) or not isinstance(length, int | np.integer):
         raise TypeError(f"length must be an int, got {length!r}.")
-    axis = normalize_axis(axis, packed.ndim)
+    return _unpack_codes(packed, np.dtype(dtype), bits, int(length),
+                         normalize_axis(axis, packed.ndim))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "bits", "length", "axis"))
+def _unpack_codes(packed: jax.Array, dtype: np.dtype, bits: int, length: int,
+                  axis: int) -> jax.Array:
     u = unpack_fields(packed, bits, length, axis)
     return lax.bitcast_convert_type(u.astype(_UNSIGNED[bits]), dtype)

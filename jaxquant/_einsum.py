@@ -6,6 +6,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec
 from jax.typing import DTypeLike
 
 from jaxquant._args import as_array
@@ -19,7 +20,7 @@ _is_q = is_qtensor
 
 def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
             preferred_element_type: DTypeLike | None = None,
-            act_quant: ActQuant | None = None) -> jax.Array:
+            act_quant: ActQuant | None = None, out_sharding=None) -> jax.Array:
     """Two-operand ``jnp.einsum`` through `qdot_general`: either operand may be a `QTensor`.
 
     Letters in both operands are contracted (absent from the output) or batch
@@ -35,17 +36,21 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
       precision: see `qdot_general`.
       preferred_element_type: see `qdot_general`.
       act_quant: see `qdot_general`.
+      out_sharding: the output's sharding, a ``PartitionSpec`` or ``NamedSharding`` in the
+        output letters' order (as ``jnp.einsum``'s): needed on a mesh with explicit axes
+        when a contracted letter is sharded (a row-parallel weight).
 
     Returns:
       The einsum, its axes in the output letters' order.
 
     Raises:
       TypeError: ``subscripts`` not a string; an operand that is not an array or a
-        `QTensor` (``None``, a string).
+        `QTensor` (``None``, a string); ``out_sharding`` not a ``PartitionSpec`` or
+        ``NamedSharding``.
       ValueError: subscripts outside this two-operand form (named: the letter of
         one operand missing from the output, the output letter in neither
         operand), not matching the ranks, or a letter with different sizes in
-        ``lhs`` and ``rhs``.
+        ``lhs`` and ``rhs``; an ``out_sharding`` with more entries than output letters.
 
     Example:
       >>> import jaxquant as jq
@@ -92,6 +97,24 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
     contract = [c for c in a if c in b and c not in out]
     dims = ((tuple(a.index(c) for c in contract), tuple(b.index(c) for c in contract)),
             (tuple(a.index(c) for c in batch), tuple(b.index(c) for c in batch)))
-    y = qdot_general(lhs, rhs, dims, precision, preferred_element_type, act_quant=act_quant)
     order = batch + [c for c in a if c not in b] + [c for c in b if c not in a]
+    y = qdot_general(lhs, rhs, dims, precision, preferred_element_type, act_quant=act_quant,
+                     out_sharding=_in_dot_order(out_sharding, out, order))
     return jnp.transpose(y, tuple(order.index(c) for c in out))
+
+
+def _in_dot_order(out_sharding, out: str, order: list[str]):
+    """``out_sharding`` (in the letters ``out``'s order) in the dot's output order."""
+    if out_sharding is None:
+        return None
+    spec = out_sharding.spec if isinstance(out_sharding, NamedSharding) else out_sharding
+    if not isinstance(spec, PartitionSpec):
+        raise TypeError(f"out_sharding must be a PartitionSpec or NamedSharding, got "
+                        f"{type(out_sharding).__name__}.")
+    if len(spec) > len(out):
+        raise ValueError(f"out_sharding {spec} has {len(spec)} entries, but the output "
+                         f"{out!r} has {len(out)} axes.")
+    entries = tuple(spec) + (None,) * (len(out) - len(spec))
+    spec = PartitionSpec(*(entries[out.index(c)] for c in order))
+    return NamedSharding(out_sharding.mesh, spec) if isinstance(out_sharding, NamedSharding) \
+        else spec

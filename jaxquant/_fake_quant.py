@@ -168,6 +168,7 @@ def fake_quant(
     if scale is None and lsq_grad_scale:
         raise ValueError("lsq_grad_scale=True scales the gradients of an explicit (learned) "
                          "scale; computed scales are constants of the backward pass.")
+    given_zero_point, learned_zp = zero_point is not None, False
     if scale is None:
         if zero_point is not None:
             raise ValueError("zero_point was given without scale; pass both, or neither.")
@@ -177,7 +178,6 @@ def fake_quant(
         options = scale_options(r.scale_dtype, scale_rounding, double_quant, bool(symmetric))
         layout = layout_from_args(x.shape, axis, block_size)
         check_shards_fit(x, layout, None)  # before the blocks are formed, as `quantize`
-        _, scale, zero_point = computed_scale(x, fmt, layout, bool(symmetric), options)
     else:
         if isinstance(scale, QTensor):
             scale = jax.lax.stop_gradient(scale_values_of(scale))
@@ -186,21 +186,34 @@ def fake_quant(
         layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
         scale = squeeze_tensor_scale(scale, layout)
         check_shards_fit(x, layout, None)
-    given_zero_point, learned_zp = zero_point is not None, False
-    if zero_point is not None:
-        zero_point = zero_point_like_scale(as_zero_point(zero_point, fmt), scale)
-        learned_zp = fmt.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)
-        if not learned_zp:
-            check_zero_point(zero_point, fmt)
-            zero_point = jax.lax.stop_gradient(zero_point)
-        zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
+        if zero_point is not None:
+            zero_point = zero_point_like_scale(as_zero_point(zero_point, fmt), scale)
+            learned_zp = fmt.is_integer and jnp.issubdtype(zero_point.dtype, jnp.floating)
+            if not learned_zp:
+                check_zero_point(zero_point, fmt)
     float_zp = given_zero_point and not fmt.is_integer and fmt.bits < 8
     # float4 has no inf or NaN: it clips whatever `saturate` says, and so does the STE
     config = _Config(fmt, layout, bool(saturate) or fmt.always_saturates, bool(lsq_grad_scale),
                      float_zp, "normal" if computed and options.plain else "any", learned_zp)
+    return _fake_quant_program(x, scale, zero_point, key, config, options, bool(symmetric))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "options", "symmetric"))
+def _fake_quant_program(x, scale, zero_point, key, config: _Config, options, symmetric: bool):
+    """The array work of `fake_quant` (arguments checked) as one jitted program: eager calls
+    run one compiled program, not one dispatch per operation (as `quantize` does)."""
+    fmt = config.fmt
+    if options is not None:  # computed mode: the scale (and zero point) from ``x``
+        _, scale, zero_point = computed_scale(x, fmt, config.layout, symmetric, options)
+        if zero_point is not None:
+            zero_point = zero_point_like_scale(zero_point, scale)
+    if zero_point is not None:
+        if not config.learned_zero_point:
+            zero_point = jax.lax.stop_gradient(zero_point)
+        zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
-    if (computed and symmetric and fmt.is_integer and fmt.signed and zero_point is None
-            and noise is None and options.plain):
+    if (options is not None and symmetric and fmt.is_integer and fmt.signed
+            and zero_point is None and noise is None and options.plain):
         # absmax / qmax maps every element into [-qmax, qmax]: the clipped STE's mask is all
         # ones and the scale a constant, so the backward pass is the identity
         return _fake_quant_unclipped(x, scale.astype(jnp.float32), config)

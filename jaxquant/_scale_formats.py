@@ -54,6 +54,7 @@ import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+from jax.custom_batching import custom_vmap
 from jax.typing import DTypeLike
 
 from jaxquant._barriers import keep_rounding
@@ -170,11 +171,26 @@ def pow2_group_scales(x: jax.Array, amax: jax.Array, layout: Layout, fmt: Format
             magnitude = group_reduce(f32_bits(x) & 0x7FFFFFFF, layout, jnp.max)
             exact = jnp.where(amax == 0, magnitude, f32_bits(amax))
             return codes(jax.lax.bitcast_convert_type(exact, jnp.float32))
-        return jax.lax.cond(jnp.any(amax == 0), from_bits, lambda: codes(amax))
+        return jax.lax.cond(_any_zero(jax.lax.stop_gradient(amax)), from_bits, lambda: codes(amax))
 
     bits = jax.lax.platform_dependent(amax, x, cpu=exact_on_cpu, default=lambda a, x: codes(a))
     values = jnp.where(bits == 255, jnp.float32(jnp.nan), pow2(bits.astype(jnp.int32) - 127))
     return jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu), values
+
+
+@custom_vmap
+def _any_zero(a: jax.Array) -> jax.Array:
+    """Whether ``a`` holds a zero: under ``vmap`` one scalar for the whole batch (both branches
+    of the conditional it picks give the same codes where there is no zero), so that the
+    conditional stays one (a batched predicate makes it a select, which JAX rejects on explicit
+    mesh axes: a stack of sharded layers)."""
+    return jnp.any(a == 0)
+
+
+@_any_zero.def_vmap
+def _any_zero_vmap(axis_size, in_batched, a):
+    del axis_size, in_batched
+    return _any_zero(a), False
 
 
 def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):

@@ -29,13 +29,17 @@ On CPU a large weight is also streamed when the other operand has few rows
 (16 to 256 free elements: the dot is bound by reading the weight, not by
 arithmetic): its rows along a contracted leading axis are dequantized and
 multiplied in chunks of at most 2 MiB of float32 (`stream_rows`), each inside
-its own ``lax.cond``, and the partial products summed in float32. The float
+its own ``lax.cond``, and the partial products summed in float32 (a two-level scale, NVFP4's or
+``double_quant``'s, is dequantized to its float32 block scales first). The float
 weight then never exists whole, and each chunk is still in cache when its dot
 reads it. For four 1024 x 1024 layers at batch 32 this took weight-only int8
 from 1.2-1.3x to 0.95-1.0x the float model's time (temporaries 16 -> 2.3 MiB),
 four 4096 x 4096 layers from 1.3x to 0.65x; with many rows (compute-bound
 dots) or one row and a small weight, chunks cost more than they save. A row count
-unknown when the dot is traced (a symbolic batch under ``jax.export``) is not streamed.
+unknown when the dot is traced (a symbolic batch under ``jax.export``) is not streamed, nor is
+a weight under a mesh (``jax.set_mesh``, other than `shard_map`'s manual axes) or explicitly
+sharded: slicing a sharded axis would gather the whole weight onto every device. (A weight
+sharded with ``jax.device_put`` alone, no mesh set, cannot be seen when the dot is traced.)
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from jax.custom_batching import custom_vmap
 
 from jaxquant._barriers import gemm_operand
 from jaxquant._granularity import Layout, apply_grouped
+from jaxquant._int_dot import _explicit_spec, _replicated_along
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
@@ -130,6 +135,29 @@ def stream_rows(qt, contract: tuple, batch: tuple, other_rows: int) -> int | Non
             return rows // n
     chunk = -(-rows // fewest)  # the fewest chunks, the last one shorter
     return -(-chunk // step) * step  # still at most `fit`: a multiple of step
+
+
+def _sharded(qt) -> bool:
+    """Whether ``qt`` may be split across devices: a mesh with axes other than `shard_map`'s
+    manual ones is set, or its codes are explicitly sharded. Slices of a streamed weight along
+    a sharded axis would gather the whole weight onto every device."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if not mesh.empty and (mesh.auto_axes or mesh.explicit_axes):
+        return True
+    codes = qt.qvalue.data if isinstance(qt.qvalue, PackedArray) else qt.qvalue
+    spec = getattr(getattr(jax.typeof(codes), "sharding", None), "spec", ())
+    return any(p is not None for p in spec)
+
+
+def _one_level(qt):
+    """``qt`` with a two-level scale (NVFP4, ``double_quant``) replaced by its float32 values.
+
+    The values are those `dequantize_values` multiplies by, so the products are the same; the
+    block scales are small (one per block), and plain ones can be cut into row chunks.
+    """
+    if not (_is_q(qt) and _is_q(qt.scale)) or qt.layout.kind == "tile":
+        return qt
+    return dataclasses.replace(qt, scale=dequantize_values(qt.scale))
 
 
 def _rows(qt: QTensor, start, rows: int) -> QTensor:
@@ -299,12 +327,61 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
     def cpu(lhs, rhs):
         for i in (0, 1):
             other = (lhs, rhs)[1 - i]
+            if _is_q(other) or out_sharding is not None or _sharded((lhs, rhs)[i]):
+                continue
             free = math.prod(n for d, n in enumerate(other.shape)
                              if d not in contract[1 - i] and d not in batch[1 - i])
-            rows = None if _is_q(other) or out_sharding is not None \
-                else stream_rows((lhs, rhs)[i], contract[i], batch[i], free)
+            weight = _one_level((lhs, rhs)[i])
+            rows = stream_rows(weight, contract[i], batch[i], free)
             if rows:
-                return streamed(lhs, rhs, i, rows)
+                return streamed(*((weight, other) if i == 0 else (other, weight)), i, rows)
         return scheduled(dot, lhs, rhs)
 
+    lhs, rhs = (_codes_gathered(op, contract[i], (lhs, rhs)[1 - i], contract[1 - i])
+                for i, op in enumerate((lhs, rhs)))
     return lax.platform_dependent(lhs, rhs, cpu=cpu, default=dot)
+
+
+def _codes_gathered(qt, contract: tuple, other, other_contract: tuple):
+    """``qt`` with its contracted axes whole on every device where their mesh axes shard
+    another axis of the other operand (a mesh with explicit axes: an FSDP weight): the codes are
+    gathered, not the float weight dequantized from them (4x the bytes of int8 codes, 8x of
+    packed int4)."""
+    if not _is_q(qt) or _is_q(other):
+        return qt
+    codes = qt.qvalue
+    spec = _explicit_spec(codes.data if isinstance(codes, PackedArray) else codes)
+    if spec is None:
+        return qt
+    other_spec = _explicit_spec(other) or (None,) * other.ndim
+
+    def names(entry):
+        return set() if entry is None else set(entry if isinstance(entry, tuple) else (entry,))
+
+    # gathered where the other operand uses the same mesh axes on another of its axes (its
+    # rows: FSDP); where it is whole along them, each device multiplies its slice and the
+    # partial products are summed across devices, with nothing gathered
+    axes = [d for d, e in zip(contract, other_contract, strict=True)
+            if names(spec[d]) & set().union(*(names(a) for j, a in enumerate(other_spec)
+                                              if j != e))]
+    if not axes:
+        return qt
+
+    def whole(a, dims):
+        for d in dims:
+            a = _replicated_along(a, d)
+        return a
+
+    codes = dataclasses.replace(codes, data=whole(codes.data, axes)) \
+        if isinstance(codes, PackedArray) else whole(codes, axes)
+    layout = qt.layout
+    if layout.kind in ("block", "tile"):
+        scale_axes = axes  # scales of the codes' rank
+    else:
+        scale_axes = [0] if layout.kind == "axis" and layout.axis in axes else []
+
+    def groupwise(v):
+        return v if v is None or _is_q(v) or not scale_axes else whole(v, scale_axes)
+
+    return QTensor(codes, groupwise(qt.scale), groupwise(qt.zero_point), axis=qt.axis,
+                   block_size=qt.block_size, dtype=qt.dtype, codebook=qt.codebook)

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 import jaxquant as jq
 from jaxquant._dot import qdot_general
-from jaxquant._weight_only import stream_rows
+from jaxquant._weight_only import _one_level, stream_rows
 
 pytestmark = pytest.mark.skipif(jax.default_backend() != "cpu", reason="streams on XLA:CPU only")
 
@@ -54,6 +54,11 @@ def test_streamed_mlp_never_holds_a_whole_float_weight():
     mem = jax.jit(mlp).lower(x, ws).compile().memory_analysis()
     one_layer = 1024 * 1024 * 4
     assert mem.temp_size_in_bytes < 0.75 * one_layer  # half a layer's float weight at a time
+    # two-level scales too (their float32 block scales are dequantized first)
+    for spec in (dict(dtype="nvfp4", packed=True), dict(dtype="nf4", double_quant=True)):
+        w2 = [jq.quantize(jq.dequantize(w), **spec) for w in ws]
+        mem = jax.jit(mlp).lower(x, w2).compile().memory_analysis()
+        assert mem.temp_size_in_bytes < 0.75 * one_layer, spec
     y = mlp(x, ws)
     ref = x
     for w in ws:
@@ -95,6 +100,11 @@ STREAMED = [
     (dict(dtype=jnp.uint2, axis=0, symmetric=False, packed=True), 256),
     (dict(dtype="nf4", axis=0, block_size=32), 1024),  # a codebook
     (dict(dtype=jnp.float8_e4m3fn, axis=1), 1024),
+    # two-level scales: float8 block scales of a float32 tensor scale, or of float32 tiles
+    (dict(dtype="nvfp4", axis=1), 1024),
+    (dict(dtype="nvfp4", axis=0, packed=True), 1024),
+    (dict(dtype="nf4", axis=0, block_size=32, double_quant=True), 1024),
+    (dict(dtype=jnp.int4, axis=0, block_size=32, double_quant=True, packed=True), 256),
 ]
 
 
@@ -112,7 +122,7 @@ class TestSmallChunks:
         qt = jq.quantize(rng.standard_normal((k, 64), np.float32), **spec)
         if packed:
             qt = jq.pack(qt, axis=spec.get("axis", 0) or 0)
-        assert stream_rows(qt, (0,), (), 24) is not None
+        assert stream_rows(_one_level(qt), (0,), (), 24) is not None
         y = jax.jit(lambda x, w: qdot_general(x, w, DN))(x, qt)
         ref = _reference(x, qt, DN)
         np.testing.assert_allclose(np.asarray(y), ref, rtol=1e-5, atol=1e-5 * np.abs(ref).max())
@@ -174,3 +184,22 @@ def test_a_symbolic_batch_is_not_streamed_and_exports(packed):
         x = rng.standard_normal((rows, 1024)).astype(np.float32)
         np.testing.assert_allclose(np.asarray(exported.call(x)), _reference(x, qt, DN),
                                    rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, jax.sharding.AxisType.Explicit])
+def test_a_weight_under_a_mesh_is_not_streamed_and_not_gathered(axis_type):
+    # row-parallel / FSDP: the contracted axis is sharded; slicing it in chunks would gather
+    # the whole weight onto every device (2048 x 1024 int8: 8x each device's share)
+    mesh = host_mesh((8,), ("x",), axis_type)
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((2048, 1024), np.float32)
+    x = rng.standard_normal((32, 2048), np.float32)
+    qt = jax.jit(jq.QuantSpec())(jax.device_put(w, NamedSharding(mesh, P("x", None))))
+    xs = jax.device_put(x, NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        f = jax.jit(lambda x, w: qdot_general(x, w, DN))
+        hlo = f.lower(xs, qt).compile().as_text()
+        y = f(xs, qt)
+    assert "all-gather" not in hlo
+    np.testing.assert_allclose(np.asarray(y), _reference(x, jq.quantize(w, axis=1), DN),
+                               rtol=1e-5, atol=1e-3)

@@ -12,6 +12,7 @@ the ``"quant"`` variables of the layer's scope (`learned`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from typing import Any
 
@@ -96,7 +97,8 @@ def qat(m, method: str, cfg: QuantConfig, args, kwargs):
 
     Raises:
       ValueError: non-integer ``Embed`` indices; a spec that does not fit the layer
-        (the caller puts the layer's path in front).
+        (the caller puts the layer's path in front); a subclass's method that never calls
+        ``promote_dtype``.
     """
     weight, act = cfg.weight, cfg.act
     updates: dict[str, Any] = {}
@@ -122,9 +124,16 @@ def qat(m, method: str, cfg: QuantConfig, args, kwargs):
         if m.num_embeddings == 1:
             return jnp.broadcast_to(table, inputs.shape + (m.features,))
         return jnp.take(table, inputs, axis=0)
-    updates["promote_dtype"] = promote
+    calls: list = []  # a subclass's own __call__ may never call promote_dtype
+    updates["promote_dtype"] = dataclasses.replace(promote, calls=calls)
     with unrecorded():
-        return getattr(m.clone(parent=m.scope, **updates), method)(*args, **kwargs)
+        out = getattr(m.clone(parent=m.scope, **updates), method)(*args, **kwargs)
+    if not calls:
+        raise ValueError(f"{type(m).__name__}.{method} never calls self.promote_dtype, through "
+                         f"which jaxquant fake-quantizes the kernel and input: it would train "
+                         f"float. Call it as the Flax layer does, or leave the layer float "
+                         f"(rule -> None).")
+    return out
 
 
 def setup_embed(m, cfg: QuantConfig | None, stored) -> None:

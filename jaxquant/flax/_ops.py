@@ -225,6 +225,7 @@ class QATPromote:
         learned ``(scale, zero_point)`` (``zero_point`` None: symmetric).
       where: the layer, put in front of the errors of its rule (nnx; linen's
         interceptor names it).
+      calls: a list that each call appends to, or ``None``.
       keep_kernel: hand the kernel on in its own dtype, not cast by ``inner`` (the
         int8 training dot, `QATDot`, quantizes the parameter itself, the codes
         ``quantize_params`` / ``nnx_quantize`` store, not its cast to a narrower
@@ -238,8 +239,11 @@ class QATPromote:
     scale: Callable | None = None
     where: str = ""
     keep_kernel: bool = False
+    calls: list | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __call__(self, *args, dtype=None, inexact: bool = True):
+        if self.calls is not None:  # linen: whether a subclass's own method called it
+            self.calls.append(1)
         as_tuple = len(args) == 1 and isinstance(args[0], tuple)
         items = list(args[0] if as_tuple else args)
         k = 1 if len(items) >= 2 else 0

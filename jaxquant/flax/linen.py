@@ -246,7 +246,9 @@ class QuantizedLinen:
           A copy of ``variables``: quantized kernels, the ``"quant"`` collection dropped.
 
         Raises:
-          ValueError: a gram for no covered layer, or for a layer GPTQ cannot
+          ValueError: a learned ``"quant"`` scale met by a rule without ``learn_scale``
+            (convert with the training rules: the scales are used with the rule's ``weight``
+            spec as they are); a gram for no covered layer, or for a layer GPTQ cannot
             quantize (learned scale, a kernel not ``(in, out)``, scales stored in
             another format, a layout other than per output channel or blocked
             along the input axis).
@@ -266,8 +268,11 @@ class QuantizedLinen:
             box, leaf, spec = node[name], nn.meta.unbox(node[name]), cfg.weight
             if is_qtensor(leaf):
                 continue
-            learned = [qnode[name + k] for k in ("_scale", "_zero_point")
-                       if cfg.learn_scale and name + k in qnode]
+            learned = [qnode[name + k] for k in ("_scale", "_zero_point") if name + k in qnode]
+            if learned and not cfg.learn_scale:  # computed scales would drop what QAT learned
+                raise ValueError(f"layer {path!r}: its {name} has a learned scale in "
+                                 f"variables['quant'], but its rule has learn_scale=False; "
+                                 f"convert with the rules it was trained with.")
             fn = functools.partial(learned_qtensor, spec=spec) if learned else spec
             n_stack = leaf.ndim - len(shape)
             stack_axis = _stacking_axis(path, name, leaf.shape, shape)

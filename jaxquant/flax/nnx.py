@@ -313,7 +313,8 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
 
     Each kernel is quantized with its rule's ``weight`` spec (packed int4
     allowed), with the learned scale of `nnx_qat` if there is one, else with
-    computed scales (what fake quantization trained with). ``Linear``,
+    computed scales (what fake quantization trained with); a rule with ``weight=None``
+    and an `ActSpec` fake-quantizes the layer's input, as in training. ``Linear``,
     ``LinearGeneral``, ``Einsum`` and ``Conv`` then run weight-only (``act=None``)
     or int8 x int8 -> int32 (an int8 `ActSpec`); ``Embed`` dequantizes its table
     inside the jitted step, ``ConvTranspose`` its kernel (its input fake-quantized
@@ -396,4 +397,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             layer.dot_general = InferDot(act, where)
             if isinstance(layer, nnx.LinearGeneral):
                 layer.dot_general_cls = None
+    for _, layer, cfg in layers:  # act-only rules: the input fake-quantized, as in nnx_qat
+        if cfg is not None and cfg.weight is None and cfg.act is not None:
+            nnx_qat(layer, cfg)
     return model

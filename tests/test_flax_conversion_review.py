@@ -1,0 +1,100 @@
+"""Converting trained Flax models for inference: learned scales are never dropped, act-only
+rules mean the same in linen and nnx, and a layer that QAT cannot reach is an error. The
+references are jaxquant's own public functions on the float kernels (`fake_quant`)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import jaxquant as jq
+from jaxquant.flax import ActSpec, QuantConfig, nnx_qat, nnx_quantize, quantize_linen
+
+X = jax.random.normal(jax.random.key(0), (16, 16)) * 3
+INT4 = jq.QuantSpec(dtype=jnp.int4)
+
+
+def _trained_learned_scales():
+    qm = quantize_linen(nn.Dense(8), [("", QuantConfig(weight=INT4, learn_scale=True))])
+    v = qm.init(jax.random.key(2), X)
+    y = jax.random.normal(jax.random.key(1), (16, 8))
+    opt = optax.adam(1e-2)
+    state = opt.init(v)
+    for _ in range(5):
+        g = jax.grad(lambda v: jnp.mean((qm.apply(v, X) - y) ** 2))(v)
+        with jax.numpy_dtype_promotion("standard"):  # optax mixes python floats and int32
+            u, state = opt.update(g, state, v)
+        v = optax.apply_updates(v, u)
+    return qm, v
+
+
+def test_linen_learned_scale_is_used_with_the_training_rules():
+    qm, v = _trained_learned_scales()
+    q = qm.quantize_params(v, X)
+    np.testing.assert_allclose(np.asarray(q["params"]["kernel"].scale),
+                               np.asarray(v["quant"]["kernel_scale"]))
+    np.testing.assert_allclose(np.asarray(qm.apply(q, X)), np.asarray(qm.apply(v, X)),
+                               rtol=1e-6, atol=1e-6)
+
+
+def test_linen_learned_scale_met_by_a_rule_without_learn_scale_is_an_error():
+    # before: the "quant" collection was dropped and computed scales used (2.4 off the QAT model)
+    _, v = _trained_learned_scales()
+    other = quantize_linen(nn.Dense(8), [("", QuantConfig(weight=INT4))])
+    with pytest.raises(ValueError, match="layer '': its kernel has a learned scale .* "
+                                         "learn_scale=False"):
+        other.quantize_params(v, X)
+
+
+def test_nnx_act_only_rule_fake_quantizes_the_input_after_conversion():
+    # before: nnx_quantize left a float model's act-only layers float; linen and the QAT route
+    # fake-quantized their input
+    act = ActSpec(dtype=jnp.int4, granularity="tensor")
+    rules = [("", QuantConfig(weight=None, act=act))]
+    layer = nnx.Linear(16, 8, rngs=nnx.Rngs(1))
+    kernel, bias = layer.kernel[...], layer.bias[...]
+    nnx_quantize(layer, rules)
+    x_q = jq.fake_quant(X, dtype=jnp.int4)  # one computed per-tensor scale, as the ActSpec
+    np.testing.assert_allclose(np.asarray(layer(X)), np.asarray(x_q @ kernel + bias[None, :]),
+                               rtol=1e-6, atol=1e-5)
+    trained = nnx_qat(nnx.Linear(16, 8, rngs=nnx.Rngs(1)), rules)
+    np.testing.assert_array_equal(np.asarray(nnx_quantize(trained, rules)(X)),
+                                  np.asarray(layer(X)))
+    linen_rules = quantize_linen(nn.Dense(8), rules)
+    v = {"params": {"kernel": kernel, "bias": bias}}
+    np.testing.assert_allclose(np.asarray(linen_rules.apply(linen_rules.quantize_params(v, X), X)),
+                               np.asarray(layer(X)), rtol=1e-6, atol=1e-6)
+
+
+def test_linen_subclass_that_never_calls_promote_dtype_is_an_error_in_qat():
+    # before: QAT trained it float with no warning; quantize_params then failed at deploy
+    class OwnDense(nn.Dense):
+        @nn.compact
+        def __call__(self, x):
+            k = self.param("kernel", self.kernel_init, (x.shape[-1], self.features))
+            return x @ k
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return OwnDense(4, name="d")(x)
+
+    qm = quantize_linen(Model(), QuantConfig(weight=INT4))
+    with pytest.raises(ValueError, match="layer 'd' .*OwnDense.__call__ never calls "
+                                         "self.promote_dtype"):
+        qm.init(jax.random.key(1), X)
+    # a subclass that goes through promote_dtype trains quantized
+    class Scaled(nn.Dense):
+        def __call__(self, x):
+            return 2.0 * super().__call__(x)
+
+    qm = quantize_linen(Scaled(4), QuantConfig(weight=INT4))
+    v = qm.init(jax.random.key(1), X)
+    kernel = v["params"]["kernel"]
+    np.testing.assert_allclose(np.asarray(qm.apply(v, X)),
+                               np.asarray(2.0 * (X @ jq.fake_quant(kernel, dtype=jnp.int4,
+                                                                   axis=-1))),
+                               rtol=1e-5, atol=1e-5)

@@ -1,0 +1,117 @@
+"""Explicit mesh axes (8 host CPU devices of tests/conftest.py): row-parallel `qeinsum`,
+tiles that fit their shards, and stacked MX layers. References: the same on one device."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from host_mesh import cpu_normal as _x
+from host_mesh import host_mesh
+from host_mesh import spec_of as _spec
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import jaxquant as jq
+
+Explicit = jax.sharding.AxisType.Explicit
+
+
+@pytest.mark.parametrize("subscripts,w_first", [("bk,kn->bn", False), ("kn,bk->bn", True),
+                                                ("kn,bk->nb", True)])
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, axis=0,
+                                                               block_size=32, packed=True)],
+                         ids=["int8", "int4-packed"])
+def test_row_parallel_qeinsum_takes_out_sharding(subscripts, w_first, spec):
+    # a contracted letter sharded on explicit axes needs the output's sharding, as jnp.einsum
+    mesh = host_mesh((2, 4), ("d", "m"), Explicit)
+    x, w = _x(16, 256), _x(256, 128, seed=1)
+    qt = spec(w)
+    xs = jax.device_put(x, NamedSharding(mesh, P("d", "m")))
+    ws = jax.jit(spec)(jax.device_put(w, NamedSharding(mesh, P("m", None))))
+    out = P("d", None) if subscripts.endswith("bn") else P(None, "d")
+    ops = (ws, xs) if w_first else (xs, ws)
+    with jax.set_mesh(mesh):
+        y = jq.qeinsum(subscripts, *ops, out_sharding=out)
+        y_named = jq.qeinsum(subscripts, *ops, out_sharding=NamedSharding(mesh, out))
+    assert y.sharding.spec == out and y_named.sharding.spec == out
+    ref = jq.qeinsum(subscripts, *((qt, x) if w_first else (x, qt)))
+    np.testing.assert_allclose(np.asarray(y), np.asarray(ref), rtol=1e-5, atol=1e-4)
+    np.testing.assert_array_equal(np.asarray(y_named), np.asarray(y))
+
+
+def test_qeinsum_out_sharding_errors():
+    x, w = jnp.ones((4, 8)), jq.quantize(jnp.ones((8, 2)))
+    with pytest.raises(TypeError, match="out_sharding must be a PartitionSpec"):
+        jq.qeinsum("bk,kn->bn", x, w, out_sharding=("d", None))
+    with pytest.raises(ValueError, match="out_sharding .* has 3 entries"):
+        jq.qeinsum("bk,kn->bn", x, w, out_sharding=P("d", None, None))
+
+
+def _bits(a) -> np.ndarray:
+    a = np.asarray(a.data if isinstance(a, jq.PackedArray) else a)
+    return a.view(np.uint8) if a.dtype.itemsize == 1 else a
+
+
+def test_fake_quant_of_tiles_that_fit_their_shards():
+    # (128, 256) on a (2, 4) mesh: 64 x 64 per device, whole (16, 32) tiles
+    mesh = host_mesh((2, 4), ("a", "b"), Explicit)
+    x = _x(128, 256)
+    xs = jax.device_put(x, NamedSharding(mesh, P("a", "b")))
+    kw = dict(axis=None, block_size=(16, 32))
+
+    def loss(v):
+        return jnp.sum(jnp.sin(jq.fake_quant(v, **kw)))
+
+    with jax.set_mesh(mesh):
+        y, g = jq.fake_quant(xs, **kw), jax.jit(jax.grad(loss))(xs)
+    assert y.sharding.spec == P("a", "b") and g.sharding.spec == P("a", "b")
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(jq.fake_quant(x, **kw)))
+    np.testing.assert_array_equal(np.asarray(g), np.asarray(jax.grad(loss)(x)))
+
+
+@pytest.mark.parametrize("spec", [
+    jq.QuantSpec(stacked=1, axis=None, block_size=(16, 32)),  # tiles of each layer
+    jq.QuantSpec(dtype="mxfp4", stacked=1),
+    jq.QuantSpec(dtype="mxfp8_e4m3", stacked=1),
+    jq.QuantSpec(dtype="mxint8", stacked=1),
+], ids=["tiles", "mxfp4", "mxfp8", "mxint8"])
+@pytest.mark.parametrize("leaf_spec", [P("a"), P(None, "a", "b")], ids=["layers", "kernel"])
+def test_stacked_layers_on_explicit_axes(spec, leaf_spec):
+    # regressions: a reshape without the output's sharding (tiles), and a conditional whose
+    # predicate vmap batched into a select (MX scales), inside the vmap over the layers
+    mesh = host_mesh((2, 4), ("a", "b"), Explicit)
+    k = _x(4, 128, 256)
+    ks = jax.device_put(k, NamedSharding(mesh, leaf_spec))
+    with jax.set_mesh(mesh):
+        q = jax.jit(spec)(ks)
+    ref = spec(k)
+    assert _spec(q.qvalue) == leaf_spec
+    np.testing.assert_array_equal(_bits(q.qvalue), _bits(ref.qvalue))
+    np.testing.assert_array_equal(_bits(q.scale), _bits(ref.scale))
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.uint8, symmetric=False),
+                                  jq.QuantSpec(dtype=jnp.int4, axis=0, block_size=32,
+                                               packed=True)],
+                         ids=["int8", "uint8-zero-points", "int4-packed-blocks"])
+def test_fsdp_weight_only_dot_gathers_codes_not_floats(spec):
+    # the weight sharded on its contracted axis ("d") where the activation's is whole: the
+    # codes are gathered (before: the dequantized float32 weight, 4x / 8x the bytes)
+    import re
+
+    mesh = host_mesh((2, 4), ("d", "m"), Explicit)
+    x, w = _x(16, 1024), _x(1024, 512, seed=1)
+    dims = (((1,), (0,)), ((), ()))
+    xs = jax.device_put(x, NamedSharding(mesh, P("d", None)))
+    wq = jax.jit(spec)(jax.device_put(w, NamedSharding(mesh, P("d", "m"))))
+    with jax.set_mesh(mesh):
+        f = jax.jit(lambda x, w: jq.qdot_general(x, w, dims))
+        hlo = f.lower(xs, wq).compile().as_text()
+        y = f(xs, wq)
+    gathered = re.findall(r"= (\w+)\[([\d,]+)\]\S* all-gather", hlo)
+    assert gathered
+    for dtype, shape in gathered:  # bytes of codes (scales: a few float32 rows)
+        size = np.prod([int(n) for n in shape.split(",")])
+        assert dtype in ("s8", "u8") or size <= 32 * 128, (dtype, shape)
+    ref = jq.qdot_general(x, spec(w), dims)
+    np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
