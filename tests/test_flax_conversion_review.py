@@ -98,3 +98,19 @@ def test_linen_subclass_that_never_calls_promote_dtype_is_an_error_in_qat():
                                np.asarray(2.0 * (X @ jq.fake_quant(kernel, dtype=jnp.int4,
                                                                    axis=-1))),
                                rtol=1e-5, atol=1e-5)
+
+
+def test_w8a8_qat_of_bfloat16_params_computed_in_float32_is_the_deployed_model():
+    # before: QAT rounded the fake-quantized kernel to bfloat16, the deployed int8 dot
+    # multiplies the codes by float32 scales exactly: 6.4e-3 apart (|y| about 4)
+    rules = QuantConfig(act=ActSpec())
+    dense = nn.Dense(256, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    qm = quantize_linen(dense, rules)
+    v = qm.init(jax.random.key(3), X)
+    np.testing.assert_allclose(np.asarray(qm.apply(qm.quantize_params(v, X), X)),
+                               np.asarray(qm.apply(v, X)), rtol=1e-5, atol=1e-5)
+    layer = nnx.Linear(16, 256, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    nnx_qat(layer, rules)
+    trained = layer(X)
+    np.testing.assert_allclose(np.asarray(nnx_quantize(layer, rules)(X)), np.asarray(trained),
+                               rtol=1e-5, atol=1e-5)

@@ -110,7 +110,8 @@ def qat(m, method: str, cfg: QuantConfig, args, kwargs):
     if cfg.learn_scale:
         scale = functools.partial(learned, m.scope, kernel_name(m), weight)
     promote = QATPromote(m.promote_dtype, weight, act, contract(m, args, kwargs), scale,
-                         keep_kernel=int8_dot)
+                         keep_kernel=int8_dot,  # an ActSpec: deployed as an integer dot
+                         exact_kernel=act is not None and not isinstance(m, DEQUANTIZED | nn.Embed))
     if isinstance(m, nn.Embed):  # set up already: a clone would create its table again
         check_not_overridden(m, method)
         table = get_param(m, "embedding")  # float (`m.embedding` is fake-quantized: `_setup`)

@@ -225,6 +225,9 @@ class QATPromote:
         learned ``(scale, zero_point)`` (``zero_point`` None: symmetric).
       where: the layer, put in front of the errors of its rule (nnx; linen's
         interceptor names it).
+      exact_kernel: fake-quantize a kernel narrower than the compute ``dtype`` in that
+        ``dtype`` (the layer deploys as an integer dot, whose scales multiply the codes
+        exactly: bfloat16 params computed in float32 are not rounded to bfloat16).
       calls: a list that each call appends to, or ``None``.
       keep_kernel: hand the kernel on in its own dtype, not cast by ``inner`` (the
         int8 training dot, `QATDot`, quantizes the parameter itself, the codes
@@ -239,6 +242,7 @@ class QATPromote:
     scale: Callable | None = None
     where: str = ""
     keep_kernel: bool = False
+    exact_kernel: bool = False
     calls: list | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __call__(self, *args, dtype=None, inexact: bool = True):
@@ -256,7 +260,11 @@ class QATPromote:
         with layer_errors(self.where):
             if self.weight is not None and items[k] is not None:
                 s, z = (None, None) if self.scale is None else self.scale(items[k])
-                items[k] = fake_quant_weight(items[k], self.weight, s, z)
+                w = items[k]
+                if (self.exact_kernel and dtype is not None and jnp.issubdtype(dtype, jnp.floating)
+                        and jnp.dtype(dtype).itemsize > jnp.dtype(w.dtype).itemsize):
+                    w = w.astype(dtype)
+                items[k] = fake_quant_weight(w, self.weight, s, z)
             if self.act is not None and len(items) >= 2:
                 if not jnp.issubdtype(jnp.result_type(items[0]), jnp.inexact):
                     items[0] = inner(items[:2])[0]  # integer input (uint8 pixels): cast first

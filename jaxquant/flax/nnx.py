@@ -33,13 +33,7 @@ from jaxquant.flax._nnx_graph import (
     stack,
     stacked_axes,
 )
-from jaxquant.flax._ops import (
-    QATDot,
-    QATEinsum,
-    QATPromote,
-    init_qparams,
-    learned_qtensor,
-)
+from jaxquant.flax._ops import QATDot, QATEinsum, QATPromote, init_qparams, learned_qtensor
 from jaxquant.flax._rules import QuantConfig, Rules, layer_errors, unused
 
 __all__ = ["LearnedScale", "QuantizedParam", "nnx_input_grams", "nnx_layers", "nnx_qat",
@@ -234,7 +228,8 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
             layer.einsum_op = QATEinsum(layer.einsum_op, act, where)
             act = None
         promote = QATPromote(layer.promote_dtype, weight, act, _contract(layer), where=where,
-                             keep_kernel=int8_dot)
+                             keep_kernel=int8_dot, exact_kernel=cfg.act is not None
+                             and not isinstance(layer, nnx.Embed | nnx.ConvTranspose))
         if cfg.learn_scale:
             var = getattr(layer, kernel_name(layer))
             if id(var) in learned:  # the same kernel: the same learned scale
