@@ -114,3 +114,36 @@ def test_w8a8_qat_of_bfloat16_params_computed_in_float32_is_the_deployed_model()
     trained = layer(X)
     np.testing.assert_allclose(np.asarray(nnx_quantize(layer, rules)(X)), np.asarray(trained),
                                rtol=1e-5, atol=1e-5)
+
+
+def _twice_dot(*args, **kwargs):
+    return 2 * jax.lax.dot_general(*args, **kwargs)
+
+
+def test_a_layer_built_with_its_own_dot_is_refused_not_replaced():
+    # before: quantized inference replaced the layer's dot_general / conv_general_dilated /
+    # einsum_op with jaxquant's and returned half the float model's output, silently
+    rules = QuantConfig()
+    dense = nn.Dense(4, dot_general=_twice_dot)
+    qm = quantize_linen(dense, rules)
+    v = dense.init(jax.random.key(0), X)
+    np.testing.assert_allclose(np.asarray(qm.apply(v, X)),  # QAT runs the layer's own dot
+                               np.asarray(2 * (X @ jq.fake_quant(v["params"]["kernel"], axis=-1))
+                                          + v["params"]["bias"][None, :]), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="Dense was built with its own dot_general"):
+        qm.apply(qm.quantize_params(v, X), X)
+    with pytest.raises(ValueError, match="Dense was built with its own dot_general"):
+        quantize_linen(dense, QuantConfig(act=ActSpec(), int8_dot=True)).init(
+            jax.random.key(0), X)
+    layer = nnx.Linear(16, 4, dot_general=_twice_dot, rngs=nnx.Rngs(0))
+    kernel = layer.kernel[...]
+    with pytest.raises(ValueError, match="layer '': Linear was built with its own dot_general"):
+        nnx_quantize(layer, rules)
+    assert layer.kernel[...] is kernel  # refused before any change
+    conv = nnx.Conv(16, 4, (3,), conv_general_dilated=lambda *a, **k: jax.lax.conv_general_dilated(
+        *a, **k), rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="Conv was built with its own conv_general_dilated"):
+        nnx_quantize(conv, rules)
+    # Flax's defaults and jaxquant's own ops pass
+    plain = nnx_quantize(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), rules)
+    assert plain(X).shape == (16, 4)

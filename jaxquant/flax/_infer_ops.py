@@ -20,17 +20,19 @@ import jax.numpy as jnp
 from jax import lax
 
 from jaxquant._barriers import int_conv
-from jaxquant._dot import ActQuant, qdot_general
+from jaxquant._dot import ActQuant, QDotGeneral, qdot_general
 from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._einsum import qeinsum
 from jaxquant._fake_quant import fake_quant
 from jaxquant._packing import unpack
+from jaxquant._qat_dot import QATDotGeneral
 from jaxquant._qtensor import is_qtensor, scale_values
 from jaxquant._quantize import quantize
-from jaxquant.flax._ops import explicit_einsum, fake_quant_act
+from jaxquant.flax._ops import QATDot, QATEinsum, explicit_einsum, fake_quant_act
 from jaxquant.flax._rules import ActSpec, layer_errors
 
-__all__ = ["InferDot", "InferEinsum", "InferConv", "InferPromote", "promoted_kernel"]
+__all__ = ["InferDot", "InferEinsum", "InferConv", "InferPromote", "check_own_op",
+           "promoted_kernel"]
 
 
 def _kwargs(out_sharding, preferred_element_type):
@@ -276,3 +278,25 @@ class InferPromote:
         stand = [a.dequantize() if is_qtensor(a) else a for a in items]
         out = [a if is_qtensor(a) else b for a, b in zip(items, call(stand), strict=True)]
         return tuple(out) if as_tuple else out
+
+
+_OP_FIELDS = ("dot_general", "dot_general_cls", "conv_general_dilated",
+              "conv_general_dilated_cls", "einsum_op")
+
+
+def check_own_op(layer, where: str = "") -> None:
+    """A ValueError (``where`` in front) where ``layer`` (linen or nnx) was built with its
+    own dot, convolution or einsum op: the quantized op put in its place would skip it.
+
+    Flax's defaults (``None``, ``lax.dot_general``, ``lax.conv_general_dilated``,
+    ``jnp.einsum``) and jaxquant's own ops pass.
+    """
+    for name in _OP_FIELDS:
+        op = getattr(layer, name, None)
+        if op is None or op is lax.dot_general or op is lax.conv_general_dilated \
+                or op is jnp.einsum or isinstance(op, InferDot | InferConv | InferEinsum | QATDot
+                                                  | QATEinsum | QDotGeneral | QATDotGeneral):
+            continue
+        raise ValueError(f"{where}{where and ': '}{type(layer).__name__} was built with its "
+                         f"own {name} ({op!r}), which the quantized op would replace "
+                         f"without running it: leave the layer float (rule -> None).")

@@ -18,7 +18,7 @@ import numpy as np
 from jaxquant._barriers import keep_rounding
 from jaxquant._packing import unpack
 from jaxquant._qtensor import is_qtensor, scale_values
-from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
+from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote, check_own_op
 from jaxquant.flax._ops import fake_quant_act
 
 __all__ = ["DEQUANTIZED", "check_kernel_shape", "check_not_overridden", "einsum_str",
@@ -171,9 +171,12 @@ def infer(m, method: str, act, qt, args, kwargs):
       What the float layer returns, computed on ``qt``.
 
     Raises:
-      ValueError: a masked convolution; a QTensor or `ActSpec` the int8 path cannot
-        take (the caller puts the layer's path in front).
+      ValueError: a masked convolution; a layer built with its own dot or convolution op;
+        a QTensor or `ActSpec` the int8 path cannot take (the caller puts the layer's path
+        in front).
     """
+    if not isinstance(m, nn.Embed | DEQUANTIZED):
+        check_own_op(m)
     if isinstance(m, nn.Dense) and type(m) is not nn.Dense and method == "__call__":
         clone = m.clone(parent=m.scope, dot_general=InferDot(act), dot_general_cls=None,
                         promote_dtype=_promote(m), kernel_init=lambda *a, **k: qt)

@@ -20,6 +20,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from jaxquant._qtensor import is_qtensor
+from jaxquant.flax._infer_ops import check_own_op
 from jaxquant.flax._linen_infer import DEQUANTIZED, check_not_overridden, einsum_str, get_param
 from jaxquant.flax._ops import QATDot, QATPromote, einsum_contract, fake_quant_weight, init_qparams
 from jaxquant.flax._rules import QuantConfig
@@ -104,6 +105,7 @@ def qat(m, method: str, cfg: QuantConfig, args, kwargs):
     updates: dict[str, Any] = {}
     int8_dot = cfg.int8_dot and isinstance(m, nn.Dense | nn.DenseGeneral)
     if int8_dot:  # the kernel reaches QATDot uncast: its codes are those quantize_params stores
+        check_own_op(m)
         updates.update(dot_general=QATDot(weight, act), dot_general_cls=None)
         weight = act = None
     scale = None

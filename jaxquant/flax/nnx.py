@@ -24,7 +24,7 @@ from jaxquant._qtensor import is_qtensor
 from jaxquant._schemes import resolve
 from jaxquant.flax._boxes import QuantizedParam, keep_sharding
 from jaxquant.flax._gptq import GramRecorder, gptq_kernels, live_grams
-from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote
+from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote, check_own_op
 from jaxquant.flax._nnx_graph import (
     covered_layers,
     kernel_name,
@@ -219,6 +219,7 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
         weight, act, where = cfg.weight, cfg.act, f"layer {path!r} ({type(layer).__name__})"
         int8_dot = cfg.int8_dot and isinstance(layer, nnx.Linear | nnx.LinearGeneral)
         if int8_dot:  # the kernel reaches QATDot uncast (QATPromote keep_kernel)
+            check_own_op(layer, where)
             cls = getattr(layer, "dot_general_cls", None)
             layer.dot_general = QATDot(weight, act, (layer.dot_general, cls), where)
             if isinstance(layer, nnx.LinearGeneral):
@@ -354,6 +355,8 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             raise ValueError(f"the {type(layer).__name__} at {path!r} has a mask and cannot "
                              f"run on a QTensor kernel; leave it float with a (pattern, None) "
                              f"rule.")
+        if not isinstance(layer, nnx.Embed | nnx.ConvTranspose):
+            check_own_op(layer, f"layer {path!r}")
         var, spec = getattr(layer, kernel_name(layer)), cfg.weight
         kernel = kernels.get(id(var), var[...])  # a Variable shared with a layer before
         extra = stacked_axes(path, layer, kernel)  # nnx.vmap-made layers: one QTensor per layer
