@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from jaxquant._explicit_sharding import explicit_sharding, reshape_sharded, spec_of
+
 __all__ = ["Layout", "layout_from_scale", "layout_from_args", "expand", "group_reduce",
            "apply_grouped", "squeeze_tensor_scale", "explicit_sharding", "check_block_size"]
 
@@ -218,8 +220,8 @@ def expand(v: jax.Array, shape: tuple[int, ...], layout: Layout) -> jax.Array:
         v = jnp.reshape(v, _interleave(v.shape, (1,) * v.ndim))
         v = jnp.broadcast_to(v, _interleave(v.shape[::2], tiles))
         merged = tuple(n * b for n, b in zip(v.shape[::2], tiles, strict=True))
-        spec = _spec_of(v)  # a tile count's mesh axes (or its tile's) go to the merged axis
-        return _crop(_reshape(v, merged, [c or b for c, b in zip(spec[::2], spec[1::2],
+        spec = spec_of(v)  # a tile count's mesh axes (or its tile's) go to the merged axis
+        return _crop(reshape_sharded(v, merged, [c or b for c, b in zip(spec[::2], spec[1::2],
                                                                    strict=True)]), shape)
     a, n = layout.axis, shape[layout.axis]
     nb, (bs,) = v.shape[a], _lengths((n,), (layout.block_size,))
@@ -242,32 +244,6 @@ def _interleave(a: tuple[int, ...], b: tuple[int, ...]) -> tuple[int, ...]:
 
 def _crop(v: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return v if tuple(v.shape) == tuple(shape) else v[tuple(slice(0, n) for n in shape)]
-
-
-def explicit_sharding(x):
-    """``x``'s sharding if its type carries one (mesh axes of type ``Explicit``), else ``None``."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    return sharding if spec and any(p is not None for p in spec) else None
-
-
-def _spec_of(x) -> tuple:
-    """``x``'s explicit mesh axes per dimension (``None`` for each where there are none)."""
-    sharding = explicit_sharding(x)
-    spec = () if sharding is None else tuple(sharding.spec)
-    return spec + (None,) * (x.ndim - len(spec))
-
-
-def _reshape(x: jax.Array, shape: tuple[int, ...], spec: list) -> jax.Array:
-    """``x.reshape(shape)``, sharded as ``spec`` on a mesh with explicit axes: JAX asks for the
-    output's sharding where a reshape splits or merges axes, also for an unsharded view inside
-    ``vmap`` over a sharded axis (a stack of layers)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or not mesh.explicit_axes:
-        return x.reshape(shape)
-    return jnp.reshape(x, shape, out_sharding=sharding.update(
-        spec=jax.sharding.PartitionSpec(*spec)))
 
 
 def _on_groups_of(g, x: jax.Array, layout: Layout):
@@ -307,7 +283,7 @@ def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array
     shape = _interleave(counts, tiles)
     sharding = explicit_sharding(x)
     if sharding is None:
-        return _reshape(x, shape, [None] * len(shape))
+        return reshape_sharded(x, shape, [None] * len(shape))
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
     sizes, placed = dict(sharding.mesh.shape), []
     for names, n, b in zip(spec, counts, tiles, strict=True):
@@ -376,7 +352,7 @@ def apply_grouped(
         same = (None if e is None else _to_tiles(e, layout) for e in elementwise)
         y = fn(_to_tiles(x, layout), *same, *views)
         padded = tuple(y.shape[i] * y.shape[i + 1] for i in range(0, y.ndim, 2))
-        return _crop(_reshape(y, padded, list(_spec_of(x))), x.shape)
+        return _crop(reshape_sharded(y, padded, list(spec_of(x))), x.shape)
     if layout.kind != "block":
         return fn(x, *elementwise,
                   *(None if g is None else expand(g, x.shape, layout) for g in groupwise))
