@@ -55,6 +55,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from jaxquant._barriers import gemm_operand
+from jaxquant._explicit_sharding import explicit_sharding
 from jaxquant._granularity import Layout, apply_grouped
 from jaxquant._int_dot import _explicit_spec, _replicated_along
 from jaxquant._packing import PackedArray
@@ -145,8 +146,7 @@ def _sharded(qt) -> bool:
     if not mesh.empty and (mesh.auto_axes or mesh.explicit_axes):
         return True
     codes = qt.qvalue.data if isinstance(qt.qvalue, PackedArray) else qt.qvalue
-    spec = getattr(getattr(jax.typeof(codes), "sharding", None), "spec", ())
-    return any(p is not None for p in spec)
+    return explicit_sharding(codes) is not None
 
 
 def _one_level(qt):

@@ -12,7 +12,6 @@ the ``"quant"`` variables of the layer's scope (`learned`).
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 from typing import Any
 
@@ -111,9 +110,11 @@ def qat(m, method: str, cfg: QuantConfig, args, kwargs):
     scale = None
     if cfg.learn_scale:
         scale = functools.partial(learned, m.scope, kernel_name(m), weight)
+    calls: list = []  # a subclass's own __call__ may never call promote_dtype
     promote = QATPromote(m.promote_dtype, weight, act, contract(m, args, kwargs), scale,
                          keep_kernel=int8_dot,  # an ActSpec: deployed as an integer dot
-                         exact_kernel=act is not None and not isinstance(m, DEQUANTIZED | nn.Embed))
+                         exact_kernel=act is not None and not isinstance(m, DEQUANTIZED | nn.Embed),
+                         calls=calls)
     if isinstance(m, nn.Embed):  # set up already: a clone would create its table again
         check_not_overridden(m, method)
         table = get_param(m, "embedding")  # float (`m.embedding` is fake-quantized: `_setup`)
@@ -127,8 +128,7 @@ def qat(m, method: str, cfg: QuantConfig, args, kwargs):
         if m.num_embeddings == 1:
             return jnp.broadcast_to(table, inputs.shape + (m.features,))
         return jnp.take(table, inputs, axis=0)
-    calls: list = []  # a subclass's own __call__ may never call promote_dtype
-    updates["promote_dtype"] = dataclasses.replace(promote, calls=calls)
+    updates["promote_dtype"] = promote
     with unrecorded():
         out = getattr(m.clone(parent=m.scope, **updates), method)(*args, **kwargs)
     if not calls:
