@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
+from jax.sharding import PartitionSpec as P
 
-__all__ = ["explicit_sharding", "spec_of", "reshape_sharded"]
+__all__ = ["explicit_sharding", "explicit_spec", "spec_of", "reshape_sharded", "replicated_along"]
 
 
 def explicit_sharding(x):
@@ -21,9 +23,7 @@ def explicit_sharding(x):
 
 def spec_of(x) -> tuple:
     """``x``'s explicit mesh axes per dimension (``None`` for each where there are none)."""
-    sharding = explicit_sharding(x)
-    spec = () if sharding is None else tuple(sharding.spec)
-    return spec + (None,) * (x.ndim - len(spec))
+    return explicit_spec(x) or (None,) * x.ndim
 
 
 def reshape_sharded(x: jax.Array, shape: tuple[int, ...], spec: list) -> jax.Array:
@@ -34,5 +34,23 @@ def reshape_sharded(x: jax.Array, shape: tuple[int, ...], spec: list) -> jax.Arr
     mesh = getattr(sharding, "mesh", None)
     if mesh is None or mesh.empty or not mesh.explicit_axes:
         return x.reshape(shape)
-    return jnp.reshape(x, shape, out_sharding=sharding.update(
-        spec=jax.sharding.PartitionSpec(*spec)))
+    return jnp.reshape(x, shape, out_sharding=sharding.update(spec=P(*spec)))
+
+
+def explicit_spec(v) -> tuple | None:
+    """``v``'s partition spec (one entry per axis) when its sharding is part of its type
+    (a mesh with explicit axes), else ``None``."""
+    sharding = jax.typeof(v).sharding
+    mesh = getattr(sharding, "mesh", None)
+    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
+        return None
+    spec = tuple(sharding.spec)
+    return spec + (None,) * (v.ndim - len(spec))
+
+
+def replicated_along(v: jax.Array, axis: int) -> jax.Array:
+    """``v`` resharded with ``axis`` whole on every device (a mesh with explicit axes)."""
+    spec = explicit_spec(v)
+    if spec is None or spec[axis] is None:
+        return v
+    return jax.sharding.reshard(v, P(*(None if d == axis else a for d, a in enumerate(spec))))

@@ -23,11 +23,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from jaxquant._barriers import int_dot_general
 from jaxquant._bits import sign_extend, split_groups, unpack_fields
+from jaxquant._explicit_sharding import explicit_spec, replicated_along
 from jaxquant._formats import get_format
 from jaxquant._granularity import expand
 from jaxquant._packing import PackedArray
@@ -146,22 +146,11 @@ def to_output(v: jax.Array, contract: tuple, batch: tuple, side: int, n_other_fr
     return v.reshape(v.shape + ones if side == 0 else v.shape[:nb] + ones + v.shape[nb:])
 
 
-def _explicit_spec(v) -> tuple | None:
-    """``v``'s partition spec (one entry per axis) when its sharding is part of its type
-    (a mesh with explicit axes), else ``None``."""
-    sharding = jax.typeof(v).sharding
-    mesh = getattr(sharding, "mesh", None)
-    if mesh is None or mesh.empty or AxisType.Explicit not in mesh.axis_types:
-        return None
-    spec = tuple(sharding.spec)
-    return spec + (None,) * (v.ndim - len(spec))
-
-
 def reshard_like(v: jax.Array, acc: jax.Array) -> jax.Array:
     """``v`` (broadcastable to ``acc``) resharded as ``acc`` on a mesh with explicit axes:
     a scale's axis may be sharded where ``acc``'s is not (blocks of the weight sharded on
     the mesh axis of the activation's rows), and JAX rejects their product."""
-    spec, target = _explicit_spec(v), _explicit_spec(acc)
+    spec, target = explicit_spec(v), explicit_spec(acc)
     if spec is None or target is None:
         return v
     want = tuple(t if n == m else None for t, n, m in zip(target, v.shape, acc.shape,
@@ -172,16 +161,8 @@ def reshard_like(v: jax.Array, acc: jax.Array) -> jax.Array:
 def spec_of_axes(v: jax.Array, axes) -> P | None:
     """The partition spec of ``v``'s ``axes`` in that order (a result laid out as them) on
     a mesh with explicit axes, else ``None``."""
-    spec = _explicit_spec(v)
+    spec = explicit_spec(v)
     return None if spec is None else P(*(spec[d] for d in axes))
-
-
-def _replicated_along(v: jax.Array, axis: int) -> jax.Array:
-    """``v`` resharded with ``axis`` whole on every device (a mesh with explicit axes)."""
-    spec = _explicit_spec(v)
-    if spec is None or spec[axis] is None:
-        return v
-    return jax.sharding.reshard(v, P(*(None if d == axis else a for d, a in enumerate(spec))))
 
 
 def _constrain(y: jax.Array, sharding) -> jax.Array:
@@ -189,7 +170,7 @@ def _constrain(y: jax.Array, sharding) -> jax.Array:
     resharded on explicit mesh axes, constrained on auto ones, as is outside a mesh."""
     if sharding is None or jax.sharding.get_abstract_mesh().empty:
         return y
-    if _explicit_spec(y) is not None:
+    if explicit_spec(y) is not None:
         return jax.sharding.reshard(y, sharding)
     return lax.with_sharding_constraint(y, sharding)
 
@@ -330,11 +311,11 @@ def _int_dot_exact(parts, dims, block, out_sharding):
         batch = tuple(tuple(d + (d > k) for d in bt) + (k,) for bt, k in zip(batch, ks,
                                                                            strict=True))
         contract = tuple((k + 1,) for k in ks)
-        specs = [_explicit_spec(q) for q, _, _ in parts]
+        specs = [explicit_spec(q) for q, _, _ in parts]
         if None not in specs and specs[0][ks[0]] != specs[1][ks[1]]:
             # the axes of blocks are batch axes now, which JAX wants sharded alike: an
             # FSDP weight's blocks (sharded as the activation's rows) are gathered
-            parts = [tuple(None if a is None else _replicated_along(a, k) for a in p)
+            parts = [tuple(None if a is None else replicated_along(a, k) for a in p)
                      for p, k in zip(parts, ks, strict=True)]
     nfree = [p[0].ndim - len(c) - len(bt) for p, c, bt in zip(parts, contract, batch,
                                                               strict=True)]

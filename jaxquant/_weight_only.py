@@ -55,9 +55,8 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from jaxquant._barriers import gemm_operand
-from jaxquant._explicit_sharding import explicit_sharding
+from jaxquant._explicit_sharding import explicit_sharding, explicit_spec, replicated_along
 from jaxquant._granularity import Layout, apply_grouped
-from jaxquant._int_dot import _explicit_spec, _replicated_along
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
@@ -350,10 +349,10 @@ def _codes_gathered(qt, contract: tuple, other, other_contract: tuple):
     if not _is_q(qt) or _is_q(other):
         return qt
     codes = qt.qvalue
-    spec = _explicit_spec(codes.data if isinstance(codes, PackedArray) else codes)
+    spec = explicit_spec(codes.data if isinstance(codes, PackedArray) else codes)
     if spec is None:
         return qt
-    other_spec = _explicit_spec(other) or (None,) * other.ndim
+    other_spec = explicit_spec(other) or (None,) * other.ndim
 
     def names(entry):
         return set() if entry is None else set(entry if isinstance(entry, tuple) else (entry,))
@@ -369,7 +368,7 @@ def _codes_gathered(qt, contract: tuple, other, other_contract: tuple):
 
     def whole(a, dims):
         for d in dims:
-            a = _replicated_along(a, d)
+            a = replicated_along(a, d)
         return a
 
     codes = dataclasses.replace(codes, data=whole(codes.data, axes)) \

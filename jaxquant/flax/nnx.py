@@ -2,11 +2,10 @@
 
 `nnx_qat` walks the model's graph (`jaxquant.flax._nnx_graph`) and, in each selected
 ``Linear``, ``LinearGeneral``, ``Conv``, ``ConvTranspose``, ``Einsum`` or ``Embed``, replaces the
-layer's ``promote_dtype`` (fake quantization of kernel and input) or
-``dot_general`` (the int8 training dot): the layers' own extension points, no
-parameter moves. `nnx_quantize` puts a `jaxquant.QTensor` in each selected
-kernel ``Param`` (``qt[...]`` is ``qt``) and injects ``dot_general`` /
-``einsum_op`` / ``conv_general_dilated`` that run on it (``Embed`` and
+layer's ``promote_dtype`` (fake quantization of kernel and input) or ``dot_general`` (the
+int8 training dot): the layers' own extension points, no parameter moves. `nnx_quantize`
+puts a `jaxquant.QTensor` in each selected kernel ``Param`` (``qt[...]`` is ``qt``) and injects
+``dot_general`` / ``einsum_op`` / ``conv_general_dilated`` that run on it (``Embed`` and
 ``ConvTranspose``: a ``promote_dtype`` that dequantizes it).
 """
 
@@ -327,12 +326,13 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
-      ValueError: an invalid pattern; a masked convolution; a rule whose weight spec
-        is not the one a layer learned its scales for in `nnx_qat`, or whose format or
-        layout (axis, block, zero points; packing aside) is not that of a layer's QTensor
-        kernel (converted before); a gram for no covered layer, for a layer GPTQ
-        cannot quantize (see `QuantizedLinen.quantize_params`) or that `jaxquant.gptq`
-        refuses. Each is raised before any kernel of ``model`` changes.
+      ValueError: an invalid pattern; a masked convolution; a layer built with its own
+        dot / conv / einsum op; a rule whose weight spec is not the one a layer learned its
+        scales for in `nnx_qat`, or whose format or layout (axis, block, zero points;
+        packing aside) is not that of a layer's QTensor kernel (converted before); a gram
+        for no covered layer, for a layer GPTQ cannot quantize (see
+        `QuantizedLinen.quantize_params`) or that `jaxquant.gptq` refuses. Each is raised
+        before any kernel of ``model`` changes.
 
     Example:
       >>> import jax.numpy as jnp
@@ -395,7 +395,6 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             layer.dot_general = InferDot(act, where)
             if isinstance(layer, nnx.LinearGeneral):
                 layer.dot_general_cls = None
-    for _, layer, cfg in layers:  # act-only rules: the input fake-quantized, as in nnx_qat
-        if cfg is not None and cfg.weight is None and cfg.act is not None:
-            nnx_qat(layer, cfg)
+    for layer, cfg in ((la, c) for _, la, c in layers if c and c.weight is None and c.act):
+        nnx_qat(layer, cfg)  # act-only rules: the input fake-quantized, as in nnx_qat
     return model
