@@ -163,6 +163,18 @@ def _one_device(codes):
 _NOT_IN_XLA = frozenset({"float6_e2m3fn", "float6_e3m2fn"})
 
 
+def _foreign_array(x, key: str) -> np.ndarray | jax.Array:
+    """Another library's tensor as a NumPy array of its own dtype (an int64 or float64
+    tensor stays 64-bit whatever ``jax_enable_x64`` says), else through DLPack as a JAX
+    array (torch's bfloat16, which NumPy cannot view)."""
+    for to_numpy in (np.asarray, np.from_dlpack):
+        try:
+            return to_numpy(x)
+        except (TypeError, ValueError, RuntimeError, BufferError, AttributeError):
+            pass
+    return as_array(x, repr(key))
+
+
 def _encode_array(key: str, x) -> tuple[dict, Any]:
     """The header entry of the tensor ``key`` and the array to store.
 
@@ -173,7 +185,7 @@ def _encode_array(key: str, x) -> tuple[dict, Any]:
         x = np.asarray(x)
     if not isinstance(x, PackedArray | jax.Array | np.ndarray) and \
             (hasattr(x, "__array__") or hasattr(x, "__dlpack__")):  # a torch tensor, say
-        x = as_array(x, repr(key))
+        x = _foreign_array(x, key)
     if not isinstance(x.data if isinstance(x, PackedArray) else x, (jax.Array, np.ndarray)):
         raise TypeError(f"{key!r}: only concrete arrays can be saved, got {type(x).__name__}.")
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):

@@ -78,6 +78,23 @@ def test_a_quantized_state_dict_with_torch_leaves_left_float_is_saved(tmp_path, 
     np.testing.assert_array_equal(back["fc.weight"].qvalue, q["fc.weight"].qvalue)
 
 
+@pytest.mark.parametrize("save, load", [(jq.save_safetensors, jq.load_safetensors),
+                                        (jq.save_orbax, jq.load_orbax)])
+def test_64_bit_torch_leaves_are_saved_at_their_own_width(tmp_path, save, load):
+    """int64 / float64 torch tensors went through jnp.asarray, which (x64 disabled) narrowed
+    them to 32 bits: 2**40 was stored as 0. NumPy arrays of the same values were exact."""
+    if save is jq.save_orbax:
+        pytest.importorskip("orbax.checkpoint")
+    state = {"ids": torch.tensor([2**40, -1, 7]), "f64": torch.tensor([1 + 2**-40], dtype=torch.float64),
+             "half": torch.tensor([0.1], dtype=torch.bfloat16)}
+    save(tmp_path / "m", state)
+    back = load(tmp_path / "m")
+    for name in ("ids", "f64"):
+        assert np.dtype(back[name].dtype) == state[name].numpy().dtype
+        np.testing.assert_array_equal(np.asarray(back[name]), state[name].numpy())
+    np.testing.assert_array_equal(back["half"], _numpy(state["half"]))
+
+
 def test_parameters_and_quantized_torch_leaves():
     param = torch.nn.Parameter(torch.randn(4, 8))
     with pytest.raises(TypeError, match=r"(?s)^x must be an array, got Parameter .*detach"):
