@@ -80,7 +80,8 @@ def quantize(
     codebook code: with an explicit scale it gets the zero point's code (the
     references differ: ONNX gives ``qmin``, PyTorch ``qmin`` or ``qmax``); a
     computed scale of a group holding a NaN is NaN (as PyTorch's observers; the
-    NaN scale ``0xFF`` for ``float8_e8m0fnu``), so the group dequantizes to NaN.
+    NaN scale ``0xFF`` for ``float8_e8m0fnu``, also given to a block holding an
+    infinity, as OCP MX), so the group dequantizes to NaN.
 
     Explicit mode (``scale`` given): the layout of ``scale`` picks the
     granularity: one element (per-tensor), 1-D of length ``x.shape[axis]``

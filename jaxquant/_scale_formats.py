@@ -208,7 +208,7 @@ def pow2_scale(amax: jax.Array, fmt: Format, rounding: ScaleRounding):
         e = e + (over & (exponent(amax) < 127)).astype(jnp.int32)
     nonzero = (f32_bits(amax) & 0x7FFFFFFF) != 0  # `amax > 0` is False for subnormals on CPU
     e = jnp.where(nonzero, jnp.clip(e, -126, 127), 0)  # all-zero groups: scale 1
-    nan = jnp.isnan(amax)  # a block holding a NaN: the NaN scale 0xFF, as OCP MX
+    nan = ~jnp.isfinite(amax)  # a block holding a NaN or an inf: the NaN scale 0xFF, as OCP MX
     bits = jnp.where(nan, jnp.uint8(255), (e + 127).astype(jnp.uint8))
     stored = jax.lax.bitcast_convert_type(bits, jnp.float8_e8m0fnu)
     return stored, jnp.where(nan, jnp.float32(jnp.nan), pow2(e))

@@ -67,9 +67,12 @@ def test_mx_scales_and_codes_bit_exact_on_block_maxima_at_the_boundaries(mode):
                                       err_msg=name)
 
 
-def test_mx_nan_block_gets_the_nan_scale_and_leaves_its_neighbours_alone():
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_mx_nan_block_gets_the_nan_scale_and_leaves_its_neighbours_alone(bad):
+    """OCP MX v1.0 (and microxcaling): a block whose maximum is NaN or infinite gets the NaN
+    scale 0xFF; an inf once got the largest finite scale, which zeroed the block's others."""
     w = np.ones((1, 64), np.float32)
-    w[0, 3] = np.nan
+    w[0, 3] = bad
     for name in MX:
         qt = jq.quantize(w, dtype=name)
         bits = np.asarray(qt.scale).view(np.uint8)

@@ -48,7 +48,7 @@ def _to_element(v: np.ndarray, name: str) -> np.ndarray:
 
 
 def _mx_reference(x: np.ndarray, name: str):
-    """(shared exponents along the last axis: NaN for a block holding a NaN, -inf for an
+    """(shared exponents along the last axis: NaN for a block holding a NaN or an inf, -inf for an
     all-zero block (any scale will do); element values)."""
     b = _blocks(x, 32)
     with np.errstate(all="ignore"):
@@ -56,7 +56,7 @@ def _mx_reference(x: np.ndarray, name: str):
         e = np.clip(np.floor(np.log2(np.where(amax > 0, amax, 1))) - EMAX_ELEM[name], -126, 127)
         p = _to_element(b / np.exp2(e)[..., None], name)
     p = p.reshape(b.shape[:-2] + (-1,))[..., :x.shape[-1]]
-    return np.where(np.isnan(amax), np.nan, np.where(amax == 0, -np.inf, e)), p
+    return np.where(~np.isfinite(amax), np.nan, np.where(amax == 0, -np.inf, e)), p
 
 
 def _jq_mx(qt, name: str):
