@@ -1,5 +1,6 @@
 """`flax.serialization` (state dicts, msgpack ``to_bytes`` / ``from_bytes``) of trees with
-`QTensor` leaves: bit for bit, and arrays that do not fit the target are refused."""
+`QTensor` leaves: bit for bit, and states whose arrays or metadata do not fit the target are
+refused naming the path."""
 
 import flax.linen as nn
 import jax
@@ -32,7 +33,7 @@ def _bits(tree):
 def test_msgpack_round_trip_is_bit_exact(kind):
     tree = {"layer": {"kernel": jq.quantize(_W, **_KINDS[kind]), "bias": jnp.ones(64)}}
     state = serialization.to_state_dict(tree)
-    assert set(state["layer"]["kernel"]) == {"qvalue", "scale", "zero_point"}
+    assert set(state["layer"]["kernel"]) == {"qvalue", "scale", "zero_point", "meta"}
     back = serialization.from_bytes(tree, serialization.to_bytes(tree))
     assert jax.tree.structure(back) == jax.tree.structure(tree)
     assert _bits(back) == _bits(tree)
@@ -64,8 +65,9 @@ def test_state_that_does_not_fit_the_target_is_refused():
     wrong_scale = {"w": dict(state["w"], scale=np.ones(3, np.float32))}
     with pytest.raises(ValueError, match=r"scale has shape \(3,\); codes of shape \(16, 64\)"):
         serialization.from_state_dict(tree, wrong_scale)
-    with pytest.raises(ValueError, match=r"a QTensor state dict has the keys "
-                                         r"\['qvalue', 'scale', 'zero_point'\], got \['qvalue'\]"):
+    with pytest.raises(ValueError, match=r"^\./w: a QTensor state dict has the keys "
+                                         r"\['qvalue', 'scale', 'zero_point'\] \(and 'meta'\), "
+                                         r"got \['qvalue'\]"):
         serialization.from_state_dict(tree, {"w": {"qvalue": state["w"]["qvalue"]}})
 
 
@@ -83,3 +85,40 @@ def test_state_of_another_format_or_zero_point_is_refused():
     with pytest.raises(ValueError, match=r"QTensor state: zero_point holds \[\], the target "
                                          r"\['uint8'\]"):
         serialization.from_state_dict(with_zp, state)
+
+
+@pytest.mark.parametrize("saved, target, field", [
+    (dict(axis=0), dict(axis=1), "axis=0, the target axis=1"),
+    (dict(dtype="nf4", packed=True), dict(dtype="fp4", packed=True),
+     "codebook='nf4', the target codebook='fp4'"),
+    (dict(axis=1, block_size=16), dict(axis=1, block_size=32), "block_size=16, the target"),
+])
+def test_state_of_other_metadata_is_refused_naming_the_path(saved, target, field):
+    """The metadata was the target's, never stored: a square kernel saved per row loaded into
+    a per-column target silently, and nf4 codes read as fp4 ones (same arrays, other values)."""
+    w = jnp.asarray(np.random.default_rng(3).standard_normal((64, 64)), jnp.float32)
+    data = serialization.to_bytes({"layer": {"w": jq.quantize(w, **saved)}})
+    with pytest.raises(ValueError, match=rf"^\./layer/w: the state holds a QTensor with {field}"):
+        serialization.from_bytes({"layer": {"w": jq.quantize(w, **target)}}, data)
+
+
+def test_state_of_another_shape_is_refused():
+    w = jnp.asarray(np.random.default_rng(4).standard_normal((64, 64)), jnp.float32)
+    data = serialization.to_bytes({"w": jq.quantize(w, axis=0)})
+    with pytest.raises(ValueError, match=r"^\./w: QTensor state: qvalue has shape \(64, 64\), "
+                                         r"the target \(64, 32\)"):
+        serialization.from_bytes({"w": jq.quantize(w[:, :32], axis=0)}, data)
+    packed = serialization.to_bytes({"p": jq.pack(jq.quantize(w[:, :63], dtype=jnp.int4)).qvalue})
+    with pytest.raises(ValueError, match=r"^\./p: the state holds a PackedArray with length=63, "
+                                         r"the target length=64"):
+        serialization.from_bytes({"p": jq.pack(jq.quantize(w, dtype=jnp.int4)).qvalue}, packed)
+
+
+def test_state_without_meta_loads_checked_on_its_arrays():
+    """A state written before ``meta`` was stored still loads; its arrays are checked."""
+    tree = {"w": jq.quantize(_W, axis=1)}
+    state = serialization.to_state_dict(tree)
+    del state["w"]["meta"]
+    assert _bits(serialization.from_state_dict(tree, state)) == _bits(tree)
+    with pytest.raises(ValueError, match=r"a QTensor state's meta is a JSON object"):
+        serialization.from_state_dict(tree, {"w": dict(state["w"], meta="not json")})
