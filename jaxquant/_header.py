@@ -9,6 +9,7 @@ metadata); `storage` gives the dtype and shape each tensor is stored with;
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -160,6 +161,21 @@ def is_jaxquant(meta: dict[str, str] | None) -> bool:
     return bool(meta) and (HEADER_KEY in meta or HEADER_CRC_KEY in meta)
 
 
+def _added_entries(meta: dict[str, str]) -> tuple[str, ...] | None:
+    """The fewest non-jaxquant ``__metadata__`` entries without which the checksum matches:
+    entries a tool added after saving (Hugging Face's ``{"format": "pt"}``), which the
+    checksum never covered; ``None`` when no such set (of up to 4 of at most 12) exists."""
+    others = sorted(k for k in meta if not k.startswith(HEADER_KEY))
+    if len(others) > 12:
+        return None
+    for n in range(1, min(4, len(others)) + 1):
+        for dropped in itertools.combinations(others, n):
+            kept = {k: v for k, v in meta.items() if k not in dropped}
+            if _metadata_crc(kept) == meta.get(HEADER_CRC_KEY):
+                return dropped
+    return None
+
+
 def read_header(meta: dict[str, str] | None, where: str) -> dict:
     """Parses and checks jaxquant's header from a file's ``__metadata__``.
 
@@ -185,9 +201,12 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
                          f"{FORMAT_NAME!r}, got {got!r}.")
     version, crc = header.get("version"), _metadata_crc(meta)
     newer = type(version) is int and version > max(_READABLE)  # may checksum otherwise
-    if meta.get(HEADER_CRC_KEY) != crc and not newer:
+    if meta.get(HEADER_CRC_KEY) != crc and not newer and _added_entries(meta) is None:
+        others = sorted(k for k in meta if not k.startswith(HEADER_KEY))
         raise ValueError(f"{where}: corrupted jaxquant metadata: its CRC-32 is {crc}, the file "
-                         f"records {meta.get(HEADER_CRC_KEY)!r}.")
+                         f"records {meta.get(HEADER_CRC_KEY)!r} (it covers the header and "
+                         f"the metadata entries saved with it, one of which changed or was "
+                         f"removed; the file's other entries: {others}).")
     if type(version) is not int or version not in _READABLE:
         readable = ", ".join(map(str, _READABLE))
         raise ValueError(f"{where}: unknown jaxquant checkpoint version {version!r}; "
@@ -202,7 +221,12 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
             if type(spec.get("crc32")) is not int:
                 raise ValueError(f"tensor {key!r} has no integer crc32 (got {spec.get('crc32')!r})")
         if sorted(used) != sorted(header["tensors"]):
-            raise ValueError("its leaves and tensors do not match")
+            unused = sorted(set(header["tensors"]) - set(used))
+            missing = sorted(set(used) - set(header["tensors"])) or sorted(
+                k for k in set(used) if used.count(k) > 1)
+            raise ValueError(f"its leaves and tensors do not match (tensors no leaf uses: "
+                             f"{unused}; tensors the leaves name that are missing or named "
+                             f"twice: {missing})")
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as e:
         raise ValueError(f"{where}: malformed jaxquant header: {e}.") from None
     return header
