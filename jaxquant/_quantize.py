@@ -84,7 +84,8 @@ def quantize(
     infinity, as OCP MX), so the group dequantizes to NaN.
 
     Explicit mode (``scale`` given): the layout of ``scale`` picks the
-    granularity: one element (per-tensor), 1-D of length ``x.shape[axis]``
+    granularity: one element (per-tensor, whatever ``axis`` and ``block_size``
+    say, as ONNX's reference reads it), 1-D of length ``x.shape[axis]``
     (per-axis), or ``x``'s rank with ``ceil(x.shape[axis] / block_size)``
     along ``axis`` (blocked, last block may be partial), or with a tuple
     ``block_size`` ``ceil(x.shape[i] / block_size[i])`` along every axis
