@@ -168,7 +168,9 @@ def rule_warnings(tree, rules: list[tuple[str, QuantSpec | None]]) -> list[str]:
     Returns:
       One line per rule that takes no tensor of ``tree`` (it matches none, or only
       tensors an earlier rule takes), then one per rule with a format whose tensors
-      are all kept (not float, or already quantized), in the order of the rules.
+      are all kept (not float, or already quantized), then one per per-axis rule that
+      takes 1-D tensors (one scale per element: a LayerNorm's weight grows 1.25x as
+      int8), in the order of the rules.
     """
     import jax
 
@@ -181,20 +183,28 @@ def rule_warnings(tree, rules: list[tuple[str, QuantSpec | None]]) -> list[str]:
     for name, leaf in leaves:
         first = next((i for i, p in enumerate(patterns) if p.search(name)), None)
         if first is not None:
-            taken[first].append(leaf)
-    idle, kept = [], []
+            taken[first].append((name, leaf))
+    idle, kept, grown = [], [], []
     for (pattern, spec), compiled, mine in zip(rules, patterns, taken, strict=True):
         if not mine:
             shadowed = any(compiled.search(name) for name, _ in leaves)
             idle.append(f"rule {pattern!r} matches " + ("only tensors that an earlier rule takes"
                                                         if shadowed else "no tensor"))
-        elif spec is not None and not any(_is_float(x) and not is_record(x) for x in mine):
-            records = sum(map(is_record, mine))
+        elif spec is not None and not any(_is_float(x) and not is_record(x) for _, x in mine):
+            records = sum(is_record(x) for _, x in mine)
             what = {0: "not float", len(mine): "already quantized"}.get(
                 records, "not float or already quantized")
             kept.append(f"rule {pattern!r} matches only tensors that are {what} "
                         f"(kept as they are)")
-    return idle + kept
+        elif spec is not None and spec.axis is not None and spec.block_size is None:
+            vectors = [name for name, x in mine if _is_float(x) and not is_record(x)
+                       and getattr(x, "ndim", 0) - (spec.stacked or 0) == 1]
+            if vectors:
+                grown.append(f"rule {pattern!r} gives {len(vectors)} 1-D tensor(s) "
+                             f"({vectors[0]!r}...) one scale per element (axis={spec.axis}), "
+                             f"larger than they were: exempt them with an earlier rule "
+                             f"(e.g. 'ln_|norm=none') or use axis=none")
+    return idle + kept + grown
 
 
 def torch_layout_warning(specs: dict, tree: dict) -> str | None:

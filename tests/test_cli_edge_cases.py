@@ -131,6 +131,25 @@ def test_rule_warnings_say_why_a_rule_took_nothing(tmp_path, capsys):
     assert jq.load_safetensors(dst)["a.weight"].qvalue.dtype == jnp.int8
 
 
+def test_a_per_axis_rule_that_takes_1d_tensors_warns_that_they_grow(tmp_path, capsys):
+    """'weight=int8:axis=0' (the README's rule) also took LayerNorm weights, one scale per
+    element, 1.25x their float bytes, silently; an earlier 'ln_=none' rule exempts them."""
+    src, dst = str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")
+    safetensors_numpy.save_file({"h.0.mlp.weight": np.ones((8, 32), np.float32),
+                                 "h.0.ln_1.weight": np.ones(32, np.float32)}, src)
+    assert _cli.main(["quantize", src, dst, "--quiet", "--rules", "weight=int8:axis=0"]) == 0
+    assert capsys.readouterr().err.splitlines() == [
+        "jaxquant: warning: rule 'weight' gives 1 1-D tensor(s) ('h.0.ln_1.weight'...) one "
+        "scale per element (axis=0), larger than they were: exempt them with an earlier rule "
+        "(e.g. 'ln_|norm=none') or use axis=none"]
+    assert jq.load_safetensors(dst)["h.0.ln_1.weight"].nbytes > 32 * 4  # the warning is true
+    for i, rules in enumerate((["ln_=none", "weight=int8:axis=0"],
+                               ["weight=int8:axis=0:block=8"], ["weight=int8:axis=none"])):
+        assert _cli.main(["quantize", src, str(tmp_path / f"o{i}"), "--quiet",
+                          "--rules", *rules]) == 0, rules
+        assert capsys.readouterr().err == "", rules
+
+
 def test_report_numbers_match_numpy(tmp_path, capsys):
     """Bytes, SQNR and largest error of every dtype and shape, recomputed in float64."""
     rng = np.random.default_rng(2)
