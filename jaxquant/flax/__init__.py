@@ -27,6 +27,8 @@ from jaxquant.flax import _state_dict  # noqa: F401  (QTensors in flax.serializa
 from jaxquant.flax._rules import ActSpec, QuantConfig
 from jaxquant.flax.linen import QuantizedLinen, quantize_linen
 from jaxquant.flax.nnx import (
+    LearnedScale,
+    QuantizedParam,
     nnx_input_grams,
     nnx_layers,
     nnx_qat,
@@ -36,7 +38,9 @@ from jaxquant.flax.nnx import (
 
 __all__ = [
     "ActSpec",
+    "LearnedScale",
     "QuantConfig",
+    "QuantizedParam",
     "QuantizedLinen",
     "nnx_input_grams",
     "nnx_layers",

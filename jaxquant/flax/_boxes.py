@@ -77,7 +77,15 @@ class QuantizedParam(nnx.Param):
     it an abstract value of the kernel's shape and dtype (``nnx.eval_shape`` under
     ``jax.set_mesh``, ``nnx.as_abstract``), it keeps an abstract QTensor, each array
     with its own spec on that mesh, so that a checkpoint loads into it. Metadata
-    ``stacked``: the leading axes of ``nnx.vmap``-made layers.
+    ``stacked``: the leading axes of ``nnx.vmap``-made layers. As a filter,
+    ``nnx.state(model, QuantizedParam)`` selects the quantized kernels.
+
+    Example:
+      >>> from flax import nnx
+      >>> from jaxquant.flax import QuantConfig, QuantizedParam, nnx_quantize
+      >>> layer = nnx_quantize(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), QuantConfig())
+      >>> isinstance(layer.kernel, QuantizedParam), type(layer.kernel.get_value()).__name__
+      (True, 'QTensor')
     """
 
     def _qtensor_of(self, value):

@@ -54,7 +54,7 @@ class LearnedScale(nnx.Module):
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from jaxquant.flax import QuantConfig
+      >>> from jaxquant.flax import QuantConfig, nnx_qat
       >>> layer = nnx_qat(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), QuantConfig(learn_scale=True))
       >>> layer.promote_dtype.scale.shape
       (2,)
