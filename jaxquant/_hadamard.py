@@ -93,7 +93,8 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
       axis: the axis to transform.
       block_size: a power of two dividing ``x.shape[axis]``; None: the largest
         power of two dividing it (the whole axis when its length is a power of
-        two; an empty axis is returned as it is).
+        two; an empty axis is returned as it is; an odd length is an error,
+        ``block_size=1`` being the identity).
         Each entry costs about the sum of the Kronecker factors' sizes in
         multiply-adds: ``block_size`` up to 128, ``128 + block_size / 128`` up
         to ``2**14``, ``256 + block_size / 2**14`` up to ``2**21``...
@@ -103,9 +104,10 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
       ``lax.Precision.HIGHEST`` and accumulate in at least float32.
 
     Raises:
-      TypeError: ``x`` is not a float array (a `QTensor`, ``None`` included).
-      ValueError: ``axis`` out of range, or ``block_size`` not a power of two
-        dividing the axis length.
+      TypeError: ``x`` is not a float array (a `QTensor`, ``None`` included), or
+        ``axis`` is not an int.
+      ValueError: ``axis`` out of range, ``block_size`` not a power of two
+        dividing the axis length, or not given for an axis of odd length.
 
     Example:
       >>> import jax.numpy as jnp
@@ -122,13 +124,19 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
     x = as_array(x, "x")
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"x must be a float array, got dtype {x.dtype}.")
-    if not (_is_int(axis) and -x.ndim <= axis < x.ndim):
+    if not _is_int(axis):
+        raise TypeError(f"axis must be an int, got {type(axis).__name__} {axis!r}.")
+    if not -x.ndim <= axis < x.ndim:
         raise ValueError(f"axis must be an int in [{-x.ndim}, {x.ndim}) for x of shape "
                          f"{x.shape}, got {axis!r}.")
     axis = int(axis) % x.ndim
     n = x.shape[axis]
     if block_size is None:  # an empty axis: nothing to transform
         block_size = _largest_power_of_two_dividing(n) or 1
+        if block_size == 1 and n:
+            raise ValueError(f"x.shape[{axis}] = {n} is odd: no Hadamard block larger than 1 "
+                             f"divides it, so the transform would leave x as it is; pad the "
+                             f"axis to an even length, or pass block_size=1 for the identity.")
     if (not _is_int(block_size) or block_size < 1 or block_size & (block_size - 1)
             or n % block_size):
         raise ValueError(f"block_size must be a power of two dividing x.shape[{axis}] = {n}, "

@@ -83,15 +83,21 @@ def test_jit_and_gradient():
                                atol=1e-5)
 
 
-def test_block_size_one_is_the_identity():
-    x = jnp.arange(6.0).reshape(2, 3)  # odd length: the largest power of two dividing it is 1
-    np.testing.assert_array_equal(jq.hadamard_transform(x), x)
+def test_block_size_one_is_the_identity_and_an_odd_axis_needs_it_said():
+    """An odd length has no power-of-two block above 1: the default once returned x
+    unchanged, silently; now only an explicit block_size=1 does."""
+    x = jnp.arange(6.0).reshape(2, 3)
+    np.testing.assert_array_equal(jq.hadamard_transform(x, block_size=1), x)
+    with pytest.raises(ValueError, match=r"x.shape\[1\] = 3 is odd: no Hadamard block larger "
+                                         r"than 1 divides it"):
+        jq.hadamard_transform(x)
+    np.testing.assert_array_equal(jq.hadamard_transform(jnp.ones((2, 0))), jnp.ones((2, 0)))
 
 
 @pytest.mark.parametrize("kwargs,error,match", [
     ({"x": jnp.arange(8)}, TypeError, "x must be a float array, got dtype int32"),
     ({"axis": 2}, ValueError, r"axis must be an int in \[-2, 2\) .* got 2"),
-    ({"axis": 1.0}, ValueError, "axis must be an int"),
+    ({"axis": 1.0}, TypeError, "axis must be an int, got float 1.0"),
     ({"block_size": 3}, ValueError, r"power of two dividing x.shape\[1\] = 16, got 3"),
     ({"block_size": 32}, ValueError, "got 32"),
     ({"block_size": 0}, ValueError, "got 0"),
