@@ -66,9 +66,11 @@ def as_float_input(x: ArrayLike, argname: str = "x") -> jax.Array:
         dt = x.dtype
     if not jnp.issubdtype(dt, jnp.floating):
         raise TypeError(
-            f"{argname} must be a floating-point array, got dtype {dt}; "
-            f"integer arrays are codes already (wrap them in jaxquant.QTensor)."
-        )
+            f"{argname} must be a floating-point array, got dtype {dt}; " + (
+                "integer arrays are codes already (wrap them in jaxquant.QTensor)."
+                if jnp.issubdtype(dt, jnp.integer) else
+                "quantize the real and imaginary parts as two float arrays."
+                if jnp.issubdtype(dt, jnp.complexfloating) else "cast it to a float dtype."))
     refuse_numpy_only(dt, argname)
     if dt.name == "float8_e8m0fnu":  # its dequantized zeros would be NaN
         raise TypeError(f"{argname} must be a float array with zero and negative values, got "

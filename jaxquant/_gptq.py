@@ -54,10 +54,11 @@ def _check(w, hessian, axis, block_size, damp) -> tuple[int | None, int | None]:
                          f"{w.shape}, got {hessian.shape}.")
     if isinstance(damp, jax.Array) and damp.ndim == 0 and not isinstance(damp, jax.core.Tracer):
         damp = damp.item()  # a concrete 0-d array, as NumPy scalars
-    if not (isinstance(damp, int | float | np.integer | np.floating)
-            and not isinstance(damp, bool) and 0 <= damp < np.inf):
-        raise ValueError(f"damp must be a finite non-negative number, got {damp!r} (a "
-                         f"static value: a Python or NumPy number, or a concrete 0-d array).")
+    if not isinstance(damp, int | float | np.integer | np.floating) or isinstance(damp, bool):
+        raise TypeError(f"damp must be a number, got {type(damp).__name__} {damp!r:.60} (a "
+                        f"static value: a Python or NumPy number, or a concrete 0-d array).")
+    if not 0 <= damp < np.inf:
+        raise ValueError(f"damp must be a finite non-negative number, got {damp!r}.")
     if block_size is None:
         if not _is_int(axis) or axis not in (-1, 1):
             raise ValueError(f"axis must be -1 or 1 (one scale per output channel) without "
@@ -101,8 +102,8 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
 
     Raises:
       TypeError: ``w`` or ``hessian`` not an array, ``hessian`` not real (float or
-        integer); ``symmetric`` or ``act_order`` not a bool; an MX or NVFP4 scheme as
-        ``dtype``.
+        integer); ``symmetric`` or ``act_order`` not a bool; ``damp`` not a static
+        number; an MX or NVFP4 scheme as ``dtype``.
       ValueError: ``w`` not a 2-D float array, ``hessian`` not ``(in, in)``, an axis or
         block size other than the ones above (codebooks need blocks), a negative or
         infinite ``damp``; a damped ``hessian`` that is not positive definite (singular,

@@ -161,6 +161,15 @@ def test_argument_errors(kw, match):
         jq.gptq(args.pop("w"), args.pop("hessian"), **args)
 
 
+@pytest.mark.parametrize("damp, got", [("a", "str 'a'"), (True, "bool True"),
+                                       (None, "NoneType None")])
+def test_damp_that_is_not_a_number_is_a_type_error(damp, got):
+    with pytest.raises(TypeError, match=f"damp must be a number, got {got}"):
+        jq.gptq(np.ones((8, 4), np.float32), np.eye(8, dtype=np.float32), damp=damp)
+    with pytest.raises(TypeError, match="damp must be a number, got .*Tracer.*a static value"):
+        jax.jit(lambda d: jq.gptq(np.ones((8, 4), np.float32), np.eye(8), damp=d))(0.01)
+
+
 @functools.cache
 def _traced_gptq(damp):  # one compiled program per damp, shared by the cases below
     return jax.jit(lambda w, h: jq.gptq(w, h, damp=damp))

@@ -233,6 +233,18 @@ def test_error_integer_input_to_quantize(x):
         jq.fake_quant(x, jnp.float32(1))
 
 
+@pytest.mark.parametrize("x, advice", [(jnp.ones(4, jnp.complex64), "quantize the real and "
+                                        "imaginary parts"), (jnp.ones(4, bool), "cast it to a float"),
+                                       (jnp.arange(4), "integer arrays are codes already")])
+def test_error_for_a_non_float_input_says_what_to_do_with_it(x, advice):
+    """A complex batch was told that integer arrays are codes (a calibration observer's too)."""
+    with pytest.raises(TypeError, match=f"x must be a floating-point array, got dtype .*; {advice}"):
+        jq.quantize(x)
+    obs = jq.calibration.minmax()
+    with pytest.raises(TypeError, match=advice):
+        obs.update(obs.init(jnp.ones(4)), x)
+
+
 def test_error_non_float_scale():
     with pytest.raises(TypeError, match="scale must be a float array, got dtype int32"):
         jq.quantize(_x(), jnp.int32(1))
