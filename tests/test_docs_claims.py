@@ -248,19 +248,18 @@ def test_readme_inference_ratios_cover_the_results_file():
 
 
 def test_notebook_02_prose_matches_its_outputs():
-    """"the differences are small (thousandths of a bit per byte) ... PTQ int4 is worse than
-    float, QAT int4 is not": the last printed deltas of the committed notebook."""
+    """"one seed, the differences are thousandths of a bit per byte ... not as a ranking":
+    the last printed deltas of the committed notebook are all below 0.01 bits per byte."""
     nb = json.loads((ROOT / "notebooks" / "02_qat_flax.ipynb").read_text(encoding="utf-8"))
     prose = "".join(s for c in nb["cells"] if c["cell_type"] == "markdown" for s in c["source"])
-    assert "(thousandths of a bit per byte)" in prose
+    assert "the differences are thousandths of a bit per byte" in prose
     text = "".join(s for c in nb["cells"] if c["cell_type"] == "code"
                    for o in c.get("outputs", []) for s in o.get("text", []))
     deltas = re.findall(r"^(linen|nnx) (\{.*\})$", text, re.MULTILINE)
     assert [m for m, _ in deltas] == ["linen", "nnx"]
     for _, d in deltas:
         delta = {k: float(v) for k, v in ast.literal_eval(d).items()}
-        ptq, qat = delta["PTQ int4 block 32"], delta["QAT int4 block 32"]
-        assert 0 < ptq < 0.01 and -0.01 < qat <= 0, delta
+        assert all(abs(v) < 0.01 for v in delta.values()) and delta["float32"] == 0, delta
 
 
 @pytest.mark.parametrize("name", ["01_quickstart", "02_qat_flax", "03_convert_checkpoint",
