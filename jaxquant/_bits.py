@@ -146,7 +146,8 @@ def pack_bits(codes: jax.Array, axis: int = -1) -> jax.Array:
       ValueError: if ``codes`` is a scalar or ``axis`` is out of range.
 
     Example:
-      >>> pack_bits(jnp.array([1, -1, 7], jnp.int4))
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> jq.pack_bits(jnp.array([1, -1, 7], jnp.int4))
       Array([241,   7], dtype=uint8)
     """
     codes = as_array(codes, "codes")
@@ -180,7 +181,8 @@ def unpack_bits(packed: jax.Array, dtype: DTypeLike, length: int, axis: int = -1
       ValueError: if ``packed`` is a scalar or ``length`` does not fit the packed size.
 
     Example:
-      >>> unpack_bits(jnp.array([241, 7], jnp.uint8), jnp.int4, 3)
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> jq.unpack_bits(jnp.array([241, 7], jnp.uint8), jnp.int4, 3)
       Array([1, -1, 7], dtype=int4)
     """
     bits = check_packable(dtype, "dtype")

@@ -17,17 +17,13 @@ so `minmax` gives exactly ``quantize``'s computed scale for the data seen.
 (and the per-channel ones), with the same float32 ranges; `percentile` and
 `mse` read clipping ranges off the running histogram of `histogram`.
 
-Intended differences from PyTorch's ``calculate_qparams``: symmetric scales
-map the absmax to ``qmax`` (``absmax / 127`` for int8, as ``quantize``), not
-to ``(qmax - qmin) / 2`` (``absmax / 127.5``); scales are clamped at the
-smallest normal float32, not at float32 ``eps``; an observer that saw
-nothing gives scale 1 (an all-zero group), and a NaN seen gives a NaN scale.
+The intended differences from PyTorch are listed in `jaxquant.calibration`.
 
 Example:
   >>> import jax.numpy as jnp, jaxquant as jq
-  >>> obs = minmax(axis=-1)  # one range per channel of the last axis
+  >>> obs = jq.calibration.minmax(axis=-1)  # one range per channel of the last axis
   >>> batches = [jnp.array([[0.5, -2.0], [1.0, 4.0]]), jnp.array([[-1.0, 3.0]])]
-  >>> state = calibrate(obs, batches)
+  >>> state = jq.calibration.calibrate(obs, batches)
   >>> scale, zp = obs.compute(state, dtype=jnp.int8)
   >>> scale * 127
   Array([1., 4.], dtype=float32)
@@ -113,8 +109,8 @@ def minmax(*, axis: int | None = None) -> Observer:
         `RangeState`, or one with integer ranges or a float count.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> obs = minmax()
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> obs = jq.calibration.minmax()
       >>> state = obs.init(jnp.zeros(3))
       >>> state = obs.update(state, jnp.array([-1.0, 0.5, 2.0]))
       >>> state = obs.update(state, jnp.array([0.0, 3.0, -0.5]))
@@ -150,9 +146,9 @@ def moving_average_minmax(averaging_constant: float = 0.01, *,
         ``init``/``update`` as `minmax`.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> obs = moving_average_minmax(0.5)
-      >>> state = calibrate(obs, [jnp.array([-1.0, 1.0]), jnp.array([-3.0, 5.0])])
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> obs = jq.calibration.moving_average_minmax(0.5)
+      >>> state = jq.calibration.calibrate(obs, [jnp.array([-1.0, 1.0]), jnp.array([-3.0, 5.0])])
       >>> float(state.min), float(state.max)
       (-2.0, 3.0)
     """
@@ -213,9 +209,9 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
         of other ``bins`` (as PyTorch).
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> obs = histogram(bins=8)
-      >>> state = calibrate(obs, [jnp.array([0.0, 1.0, 1.0, 2.0]), jnp.array([4.0])])
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> obs = jq.calibration.histogram(bins=8)
+      >>> state = jq.calibration.calibrate(obs, [jnp.array([0.0, 1.0, 1.0, 2.0]), jnp.array([4.0])])
       >>> state.hist  # [0, 2] in 8 bins, then moved into 8 bins over [0, 4]
       Array([1., 0., 2., 1., 0., 0., 0., 1.], dtype=float32)
       >>> scale, zp = obs.compute(state, dtype=jnp.uint8, symmetric=False)
@@ -261,9 +257,9 @@ def percentile(q: float = 99.99, *, bins: int = 2048, axis: int | None = None) -
       ValueError: ``q`` outside ``[50, 100]`` or ``bins <= 0``.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> obs = percentile(90.0, bins=100)
-      >>> state = calibrate(obs, [jnp.arange(101.0)])
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> obs = jq.calibration.percentile(90.0, bins=100)
+      >>> state = jq.calibration.calibrate(obs, [jnp.arange(101.0)])
       >>> scale, zp = obs.compute(state, dtype=jnp.uint8, symmetric=False)
       >>> float(scale * 255), int(zp)  # p90 = 90 to within a bin (p10 = 10.5 clamps to 0)
       (90.5, 0)
@@ -304,10 +300,10 @@ def mse(num_candidates: int = 100, *, bins: int = 2048, axis: int | None = None)
       ValueError: ``num_candidates`` or ``bins`` not positive.
 
     Example:
-      >>> import jax.numpy as jnp
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> x = jnp.concatenate([jnp.linspace(-1.0, 1.0, 10001), jnp.array([20.0])])
-      >>> obs = mse(num_candidates=100)
-      >>> scale, _ = obs.compute(calibrate(obs, [x]), dtype=jnp.int4)
+      >>> obs = jq.calibration.mse(num_candidates=100)
+      >>> scale, _ = obs.compute(jq.calibration.calibrate(obs, [x]), dtype=jnp.int4)
       >>> round(float(scale * 7), 3)  # clipped at 0.05 * 20: the outlier costs less
       1.0
     """
@@ -343,9 +339,9 @@ def calibrate(observer: Observer, batches: Iterable[ArrayLike], *, state: Any = 
       ValueError: no batches and no ``state``.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> obs = minmax()
-      >>> state = calibrate(obs, (jnp.full(4, float(i)) for i in range(3)))
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> obs = jq.calibration.minmax()
+      >>> state = jq.calibration.calibrate(obs, (jnp.full(4, float(i)) for i in range(3)))
       >>> float(state.max), int(state.count)
       (2.0, 3)
     """

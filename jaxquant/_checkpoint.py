@@ -112,8 +112,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
       >>> tree = {"dense": {"kernel": jq.quantize(jnp.ones((4, 8)), dtype=jnp.int4),
       ...                   "bias": jnp.zeros(8, jnp.bfloat16)}}
       >>> with tempfile.TemporaryDirectory() as d:
-      ...     save_safetensors(f"{d}/model.safetensors", tree, metadata={"model": "demo"})
-      ...     back = load_safetensors(f"{d}/model.safetensors")
+      ...     jq.save_safetensors(f"{d}/model.safetensors", tree, metadata={"model": "demo"})
+      ...     back = jq.load_safetensors(f"{d}/model.safetensors")
       >>> back["dense"]["kernel"], back["dense"]["bias"].dtype
       (QTensor(int4[4, 8], per-tensor, scale[], dtype=float32), dtype(bfloat16))
     """
@@ -179,9 +179,9 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
       >>> import tempfile, jax, jax.numpy as jnp, jaxquant as jq
       >>> tree = {"w": jnp.arange(6.0).reshape(2, 3)}
       >>> with tempfile.TemporaryDirectory() as d:
-      ...     save_safetensors(f"{d}/w.safetensors", tree)
-      ...     load_safetensors(f"{d}/w.safetensors",  # doctest: +ELLIPSIS
-      ...                      {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32)})
+      ...     jq.save_safetensors(f"{d}/w.safetensors", tree)
+      ...     jq.load_safetensors(f"{d}/w.safetensors",  # doctest: +ELLIPSIS
+      ...                         {"w": jax.ShapeDtypeStruct((3, 2), jnp.float32)})
       Traceback (most recent call last):
       ...
       ValueError: ...: 'w': shape mismatch: the target expects (3, 2), the file holds (2, 3).
@@ -270,8 +270,8 @@ def save_orbax(directory: str | os.PathLike, tree: Any, *,
       >>> import tempfile, jax.numpy as jnp, jaxquant as jq
       >>> tree = {"w": jq.quantize(jnp.ones((2, 4)), dtype=jnp.uint4, symmetric=False)}
       >>> with tempfile.TemporaryDirectory() as d:
-      ...     save_orbax(f"{d}/ckpt", tree)
-      ...     load_orbax(f"{d}/ckpt")["w"]
+      ...     jq.save_orbax(f"{d}/ckpt", tree)
+      ...     jq.load_orbax(f"{d}/ckpt")["w"]
       QTensor(uint4[2, 4], per-tensor, scale[], zero_point, dtype=float32)
     """
     import orbax.checkpoint as ocp
@@ -355,10 +355,10 @@ def load_orbax(directory: str | os.PathLike, target: Any = None, *,
       TypeError: a dtype or leaf kind mismatch against ``target``.
 
     Example:
-      >>> import tempfile, jax.numpy as jnp
+      >>> import tempfile, jax.numpy as jnp, jaxquant as jq
       >>> with tempfile.TemporaryDirectory() as d:
-      ...     save_orbax(f"{d}/ckpt", {"step": jnp.array(7)})
-      ...     load_orbax(f"{d}/ckpt")
+      ...     jq.save_orbax(f"{d}/ckpt", {"step": jnp.array(7)})
+      ...     jq.load_orbax(f"{d}/ckpt")
       {'step': Array(7, dtype=int32)}
     """
     import orbax.checkpoint as ocp

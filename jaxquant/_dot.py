@@ -120,8 +120,8 @@ def promote_dtype(*args, dtype: DTypeLike | None = None, inexact: bool = True):
       ValueError: with ``inexact``, a ``dtype`` that is not inexact.
 
     Example:
-      >>> import jaxquant as jq
-      >>> x, w = promote_dtype(jnp.ones(2, jnp.bfloat16), jq.quantize(jnp.ones((2, 2))))
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> x, w = jq.promote_dtype(jnp.ones(2, jnp.bfloat16), jq.quantize(jnp.ones((2, 2))))
       >>> x.dtype, type(w).__name__
       (dtype('float32'), 'QTensor')
     """
@@ -207,12 +207,12 @@ def qdot_general(
         an integer ``preferred_element_type``.
 
     Example:
-      >>> import jaxquant as jq
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> w = jq.quantize(jnp.array([[1.0, -2.0], [0.5, 4.0]]), jnp.float32(0.5))
       >>> x, dims = jnp.array([[1.0, 3.0]]), (((1,), (0,)), ((), ()))
-      >>> qdot_general(x, w, dims)  # x @ dequantize(w)
+      >>> jq.qdot_general(x, w, dims)  # x @ dequantize(w)
       Array([[ 2.5, 10. ]], dtype=float32)
-      >>> qdot_general(x, w, dims, act_quant=ActQuant())  # int8 x int8 -> int32
+      >>> jq.qdot_general(x, w, dims, act_quant=jq.ActQuant())  # int8 x int8 -> int32
       Array([[ 2.492126, 10.015748]], dtype=float32)
     """
     check_act_quant(act_quant)
@@ -266,8 +266,8 @@ class QDotGeneral:
       TypeError: ``act_quant`` neither ``None`` nor an `ActQuant` (the class itself, say).
 
     Example:
-      >>> import jaxquant as jq
-      >>> dot = QDotGeneral(act_quant=ActQuant())
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> dot = jq.QDotGeneral(act_quant=jq.ActQuant())
       >>> x, w = jnp.array([[64.0, -127.0]]), jq.quantize(jnp.eye(2), axis=1)
       >>> dot(x, w, (((1,), (0,)), ((), ())))  # the scales are 1: exact
       Array([[  64., -127.]], dtype=float32)

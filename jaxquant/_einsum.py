@@ -53,9 +53,9 @@ def qeinsum(subscripts: str, lhs, rhs, *, precision=None,
         ``lhs`` and ``rhs``; an ``out_sharding`` with more entries than output letters.
 
     Example:
-      >>> import jaxquant as jq
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> w = jq.quantize(jnp.array([[1.0, -2.0], [0.5, 4.0]]), jnp.float32(0.5))
-      >>> qeinsum("ij,bi->bj", w, jnp.array([[1.0, 3.0]]))
+      >>> jq.qeinsum("ij,bi->bj", w, jnp.array([[1.0, 3.0]]))
       Array([[ 2.5, 10. ]], dtype=float32)
     """
     if not isinstance(subscripts, str):

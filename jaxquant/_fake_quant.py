@@ -149,11 +149,11 @@ def fake_quant(
       TypeError, ValueError: as `quantize`.
 
     Example:
-      >>> import jax, jax.numpy as jnp
+      >>> import jax, jax.numpy as jnp, jaxquant as jq
       >>> x = jnp.array([0.3, 1.0, 9.0])
-      >>> fake_quant(x, jnp.float32(0.5), dtype=jnp.int4)
+      >>> jq.fake_quant(x, jnp.float32(0.5), dtype=jnp.int4)
       Array([0.5, 1. , 3.5], dtype=float32)
-      >>> jax.grad(lambda x: fake_quant(x, jnp.float32(0.5), dtype=jnp.int4).sum())(x)
+      >>> jax.grad(lambda x: jq.fake_quant(x, jnp.float32(0.5), dtype=jnp.int4).sum())(x)
       Array([1., 1., 0.], dtype=float32)
     """
     check_flags(symmetric=symmetric, saturate=saturate, lsq_grad_scale=lsq_grad_scale,

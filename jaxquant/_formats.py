@@ -52,7 +52,8 @@ class Format:
       label: the format's name when it is not its dtype's (codebooks).
 
     Example:
-      >>> get_format(jnp.int4)
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> jq.get_format(jnp.int4)
       Format(name='int4', bits=4, kind='int', qmin=-8, qmax=7, max_finite=7.0)
     """
 
@@ -152,9 +153,11 @@ CODEBOOKS: dict[str, Format] = {
 """Codebook formats, by name: codes are indices into ``Format.values``.
 
 Example:
-  >>> sorted(CODEBOOKS)
+  >>> import jaxquant as jq
+  >>> sorted(jq.CODEBOOKS)
   ['float6_e2m3fn', 'float6_e3m2fn', 'fp4', 'nf4']
-  >>> CODEBOOKS["nf4"].bits, len(CODEBOOKS["nf4"].values), CODEBOOKS["nf4"].values[-1]
+  >>> nf4 = jq.CODEBOOKS["nf4"]
+  >>> nf4.bits, len(nf4.values), nf4.values[-1]
   (4, 16, 1.0)
 """
 
@@ -169,10 +172,11 @@ FORMATS: dict[str, Format] = {
 """Every supported format, by dtype name.
 
 Example:
-  >>> sorted(FORMATS)  # doctest: +NORMALIZE_WHITESPACE
+  >>> import jaxquant as jq
+  >>> sorted(jq.FORMATS)  # doctest: +NORMALIZE_WHITESPACE
   ['float4_e2m1fn', 'float8_e4m3fn', 'float8_e5m2', 'int16', 'int2', 'int32', 'int4',
    'int8', 'uint16', 'uint2', 'uint4', 'uint8']
-  >>> FORMATS["float8_e4m3fn"]
+  >>> jq.FORMATS["float8_e4m3fn"]
   Format(name='float8_e4m3fn', bits=8, kind='float', qmin=-448.0, qmax=448.0, max_finite=448.0)
 """
 
@@ -192,7 +196,8 @@ def get_format(dtype: DTypeLike, *, argname: str = "dtype") -> Format:
       TypeError: if ``dtype`` is not a quantized format.
 
     Example:
-      >>> get_format("float8_e4m3fn").max_finite
+      >>> import jaxquant as jq
+      >>> jq.get_format("float8_e4m3fn").max_finite
       448.0
     """
     if isinstance(dtype, str) and dtype in CODEBOOKS:

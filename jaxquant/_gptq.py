@@ -111,12 +111,13 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
         Under ``jit``, where that cannot raise, the scales come back NaN instead.
 
     Example:
+      >>> import jax, jax.numpy as jnp, jaxquant as jq
       >>> x = jax.random.normal(jax.random.key(0), (256, 64))
       >>> w = jax.random.normal(jax.random.key(1), (64, 32))
-      >>> qt = gptq(w, x.T @ x, dtype=jnp.int4)
-      >>> rtn = quantize(w, dtype=jnp.int4, axis=-1)
+      >>> qt = jq.gptq(w, x.T @ x, dtype=jnp.int4)
+      >>> rtn = jq.quantize(w, dtype=jnp.int4, axis=-1)
       >>> def err(q):
-      ...     return float(jnp.sum((x @ w - x @ dequantize(q)) ** 2))
+      ...     return float(jnp.sum((x @ w - x @ jq.dequantize(q)) ** 2))
       >>> err(qt) < err(rtn)
       True
     """

@@ -55,7 +55,8 @@ class ActQuant:
       ValueError: a granularity other than the strings ``"token"`` and ``"tensor"``.
 
     Example:
-      >>> ActQuant()
+      >>> import jaxquant as jq
+      >>> jq.ActQuant()
       ActQuant(granularity='token')
     """
 

@@ -50,7 +50,7 @@ class Observer(NamedTuple):
     other shapes (a histogram of other ``bins``).
 
     Example:
-      >>> import jaxquant as jq
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> obs = jq.calibration.minmax()
       >>> state = obs.update(obs.init(jnp.zeros(3)), jnp.array([-1.0, 0.5, 2.54]))
       >>> obs.compute(state)  # absmax / 127, no zero point
@@ -71,7 +71,7 @@ class RangeState(NamedTuple):
       count: int32 number of batches seen.
 
     Example:
-      >>> import jaxquant as jq
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> obs = jq.calibration.minmax(axis=0)
       >>> obs.update(obs.init(jnp.zeros((2, 3))), jnp.array([[-1.0, 2.0, 0.5], [3.0, -4.0, 1.0]]))
       RangeState(min=Array([-1., -4.], dtype=float32), max=Array([2., 3.], dtype=float32),

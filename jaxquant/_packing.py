@@ -50,7 +50,8 @@ class PackedArray:
         as uint8: float6); ``None`` otherwise (static).
 
     Example:
-      >>> p = pack(jnp.array([[1, -2, 3]], jnp.int4))
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> p = jq.pack(jnp.array([[1, -2, 3]], jnp.int4))
       >>> p.shape, p.dtype, p.data.shape, p.nbytes
       ((1, 3), dtype(int4), (1, 2), 2)
     """
@@ -231,7 +232,7 @@ def pack(x, axis: int = -1):
         codebook codes of 64 or more (traced ones are cut to their low 6 bits).
 
     Example:
-      >>> import jaxquant as jq
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> qt = jq.quantize(jnp.linspace(-1, 1, 5), dtype=jnp.int4)
       >>> jq.pack(qt).nbytes, qt.nbytes
       (7, 7)
@@ -265,8 +266,9 @@ def unpack(x):
       the same record with those codes as ``qvalue``; anything else unchanged.
 
     Example:
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> c = jnp.array([1, -2, 3], jnp.int4)
-      >>> bool((unpack(pack(c)) == c).all())
+      >>> bool((jq.unpack(jq.pack(c)) == c).all())
       True
     """
     if isinstance(x, PackedArray):

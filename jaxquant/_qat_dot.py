@@ -313,16 +313,16 @@ def qat_dot_general(
         blocked weight, ``fake``).
 
     Example:
-      >>> import jax, jaxquant as jq
+      >>> import jax, jax.numpy as jnp, jaxquant as jq
       >>> x = jnp.array([[1.0, -0.3, 0.2]])
       >>> w = jnp.array([[0.5], [1.0], [-2.0]])
       >>> dims = (((1,), (0,)), ((), ()))
-      >>> y = qat_dot_general(x, w, dims)  # int8 x int8 -> int32, then scaled
+      >>> y = jq.qat_dot_general(x, w, dims)  # int8 x int8 -> int32, then scaled
       >>> y.round(6)  # the products are exact; the scaling rounds (one ulp apart on GPU)
       Array([[-0.191332]], dtype=float32)
       >>> (jq.fake_quant(x, axis=0) @ jq.fake_quant(w, axis=-1)).round(6)  # the reference
       Array([[-0.191332]], dtype=float32)
-      >>> jax.grad(lambda w: qat_dot_general(x, w, dims).sum())(w).T  # STE: fq(x)^T . 1
+      >>> jax.grad(lambda w: jq.qat_dot_general(x, w, dims).sum())(w).T  # STE: fq(x)^T . 1
       Array([[ 1.        , -0.2992126 ,  0.19685039]], dtype=float32)
     """
     check_flags(fake=fake)
@@ -376,9 +376,9 @@ class QATDotGeneral:
         an int8 dot); see `qat_dot_general`.
 
     Example:
-      >>> dot = QATDotGeneral(act=ActQuant(granularity="tensor"))
-      >>> x, w = jnp.array([[64.0, -127.0]]), jnp.eye(2)
-      >>> dot(x, w, (((1,), (0,)), ((), ())))  # the scales are 1 and 1/127: exact
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> dot = jq.QATDotGeneral(act=jq.ActQuant(granularity="tensor"))
+      >>> dot(jnp.array([[64.0, -127.0]]), jnp.eye(2), (((1,), (0,)), ((), ())))  # exact
       Array([[  64., -127.]], dtype=float32)
     """
 

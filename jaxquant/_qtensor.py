@@ -79,8 +79,8 @@ class QTensor:
         codebook codes of 64 or more.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> qt = QTensor(jnp.array([[-3, 7]], jnp.int8), jnp.array([0.5, 0.25]), axis=1)
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> qt = jq.QTensor(jnp.array([[-3, 7]], jnp.int8), jnp.array([0.5, 0.25]), axis=1)
       >>> qt.dequantize()
       Array([[-1.5 ,  1.75]], dtype=float32)
     """
@@ -377,7 +377,7 @@ def is_qtensor(x) -> bool:
     Example:
       >>> import jax, jax.numpy as jnp, jaxquant as jq
       >>> tree = {"w": jq.quantize(jnp.ones((2, 2)))}
-      >>> [type(l).__name__ for l in jax.tree.leaves(tree, is_leaf=is_qtensor)]
+      >>> [type(l).__name__ for l in jax.tree.leaves(tree, is_leaf=jq.is_qtensor)]
       ['QTensor']
     """
     return isinstance(x, QTensor)

@@ -160,11 +160,11 @@ def quantize(
         that would straddle two devices.
 
     Example:
-      >>> import jax.numpy as jnp
-      >>> qt = quantize(jnp.array([0.0, 0.25, 0.5, -1.0]), jnp.float32(0.5))
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> qt = jq.quantize(jnp.array([0.0, 0.25, 0.5, -1.0]), jnp.float32(0.5))
       >>> qt.qvalue  # 0.25 / 0.5 = 0.5 is a tie: rounds to even
       Array([ 0,  0,  1, -2], dtype=int8)
-      >>> quantize(jnp.ones((4, 64)), dtype="mxfp4").bits_per_element
+      >>> jq.quantize(jnp.ones((4, 64)), dtype="mxfp4").bits_per_element
       4.25
     """
     check_flags(symmetric=symmetric, saturate=saturate, packed=packed, double_quant=double_quant)
@@ -336,7 +336,7 @@ def dequantize(qt: QTensor, dtype: DTypeLike | None = None) -> jax.Array:
       >>> import jax.numpy as jnp, jaxquant as jq
       >>> qt = jq.QTensor(jnp.array([0, 2, 255], jnp.uint8), jnp.float32(0.5),
       ...                 jnp.uint8(128))
-      >>> dequantize(qt)
+      >>> jq.dequantize(qt)
       Array([-64. , -63. ,  63.5], dtype=float32)
     """
     if not isinstance(qt, QTensor):

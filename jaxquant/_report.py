@@ -61,8 +61,9 @@ class LeafReport:
         ``nan`` when it was, ``-`` when it was not.
 
     Example:
-      >>> row = LeafReport(path="dense/bias", shape=(8,), format="-", granularity="-",
-      ...                  dtype="float32", nbytes_before=32, nbytes_after=32)
+      >>> import jaxquant as jq
+      >>> row = jq.LeafReport(path="dense/bias", shape=(8,), format="-", granularity="-",
+      ...                     dtype="float32", nbytes_before=32, nbytes_after=32)
       >>> row.quantized, row.sqnr_db
       (False, nan)
     """
@@ -196,7 +197,7 @@ def quantization_report(tree: Any, qtree: Any = None) -> list[LeafReport]:
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
       >>> params = {"w": jnp.arange(-4.0, 4.0).reshape(2, 4), "b": jnp.ones(4)}
-      >>> rows = quantization_report(params, jq.quantize_tree(params))
+      >>> rows = jq.quantization_report(params, jq.quantize_tree(params))
       >>> [(r.path, r.format, r.granularity, r.nbytes_before, r.nbytes_after) for r in rows]
       [('b', '-', '-', 16, 16), ('w', 'int8', 'axis=1', 32, 24)]
       >>> round(rows[1].sqnr_db, 2), round(rows[1].max_abs_error, 5)
@@ -293,7 +294,7 @@ def format_report(rows: list[LeafReport]) -> str:
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
       >>> params = {"w": jnp.linspace(-1.0, 1.0, 4096).reshape(64, 64), "b": jnp.ones(64)}
-      >>> print(format_report(quantization_report(params, jq.quantize_tree(params))))
+      >>> print(jq.format_report(jq.quantization_report(params, jq.quantize_tree(params))))
       path   shape     format  granularity  dtype    before  after  ratio  SQNR dB   max err
       --------------------------------------------------------------------------------------
       b      (64,)     -       -            float32     256    256  1.000        -         -

@@ -101,7 +101,7 @@ def scaled_matmul(lhs: QTensor, rhs: QTensor, *,
       >>> import jax.numpy as jnp, jaxquant as jq
       >>> a = jq.quantize(jnp.ones((2, 64)), dtype="mxfp8_e4m3")
       >>> b = jq.quantize(jnp.full((3, 64), 0.5), dtype="mxfp8_e4m3")
-      >>> scaled_matmul(a, b)
+      >>> jq.scaled_matmul(a, b)
       Array([[32., 32., 32.],
              [32., 32., 32.]], dtype=float32)
     """

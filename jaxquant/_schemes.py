@@ -53,7 +53,8 @@ class Scheme:
       fixed_block: whether the block length is part of the format.
 
     Example:
-      >>> SCHEMES["mxfp4"]
+      >>> import jaxquant as jq
+      >>> jq.SCHEMES["mxfp4"]
       Scheme(element='float4_e2m1fn', block_size=32, scale_dtype='float8_e8m0fnu', fixed_block=True)
     """
 
@@ -77,10 +78,11 @@ SCHEMES: dict[str, Scheme] = {
 """Every named composite format, by name (the ``dtype=`` of `jaxquant.quantize`).
 
 Example:
-  >>> sorted(SCHEMES)  # doctest: +NORMALIZE_WHITESPACE
+  >>> import jaxquant as jq
+  >>> sorted(jq.SCHEMES)  # doctest: +NORMALIZE_WHITESPACE
   ['fp4', 'mxfp4', 'mxfp6_e2m3', 'mxfp6_e3m2', 'mxfp8_e4m3', 'mxfp8_e5m2', 'mxint8', 'nf4',
    'nvfp4']
-  >>> SCHEMES["nvfp4"].block_size, SCHEMES["nvfp4"].scale_dtype
+  >>> jq.SCHEMES["nvfp4"].block_size, jq.SCHEMES["nvfp4"].scale_dtype
   (16, 'float8_e4m3fn')
 """
 
@@ -151,9 +153,9 @@ def format_name(qt) -> str:
 
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
-      >>> format_name(jq.quantize(jnp.ones((2, 32)), dtype="mxfp4"))
+      >>> jq.format_name(jq.quantize(jnp.ones((2, 32)), dtype="mxfp4"))
       'mxfp4'
-      >>> format_name(jq.quantize(jnp.ones((2, 32)), dtype="nf4", block_size=16))
+      >>> jq.format_name(jq.quantize(jnp.ones((2, 32)), dtype="nf4", block_size=16))
       'nf4'
     """
     from jaxquant._qtensor import is_qtensor

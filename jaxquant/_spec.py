@@ -58,13 +58,14 @@ class QuantSpec:
         have zero points), ``stacked < 0``.
 
     Example:
-      >>> QuantSpec(dtype=jnp.int4, block_size=32)
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> jq.QuantSpec(dtype=jnp.int4, block_size=32)
       QuantSpec(dtype=dtype(int4), axis=-1, block_size=32, symmetric=True,
                 saturate=True, packed=False, scale_dtype=None, scale_rounding='floor',
                 double_quant=False, stacked=0)
-      >>> QuantSpec(stacked=1)(jnp.ones((12, 64, 32)))  # one scale per layer and column
+      >>> jq.QuantSpec(stacked=1)(jnp.ones((12, 64, 32)))  # one scale per layer and column
       QTensor(int8[12, 64, 32], axis=1, scale[12, 32], dtype=float32)
-      >>> QuantSpec(dtype="nf4", packed=True, double_quant=True)(jnp.ones((4, 128))).scale
+      >>> jq.QuantSpec(dtype="nf4", packed=True, double_quant=True)(jnp.ones((4, 128))).scale
       QTensor(float8_e4m3fn[4, 2], tiles=(4, 2), scale[1, 1], dtype=float32)
     """
 
@@ -133,7 +134,8 @@ class QuantSpec:
             out of range...); ``x`` with no axes beyond the ``stacked`` ones.
 
         Example:
-          >>> QuantSpec(axis=0)(jnp.array([[1.0, -2.0], [0.5, 0.25]])).scale
+          >>> import jax.numpy as jnp, jaxquant as jq
+          >>> jq.QuantSpec(axis=0)(jnp.array([[1.0, -2.0], [0.5, 0.25]])).scale
           Array([0.01574803, 0.00393701], dtype=float32)
         """
         f = functools.partial(quantize, packed=self.packed, **self.computed_kwargs())
@@ -156,7 +158,8 @@ class QuantSpec:
         scales) that this spec stands for, ``packed`` and ``stacked`` apart.
 
         Example:
-          >>> QuantSpec(dtype="nf4", double_quant=True).computed_kwargs()["double_quant"]
+          >>> import jaxquant as jq
+          >>> jq.QuantSpec(dtype="nf4", double_quant=True).computed_kwargs()["double_quant"]
           True
         """
         tiles = isinstance(self.block_size, tuple)

@@ -122,8 +122,9 @@ def match_rules(tree: Any, rules: Rules = None) -> dict[str, QuantSpec | None]:
         an earlier call consumed.
 
     Example:
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> tree = {"dense": {"kernel": jnp.ones((4, 4)), "bias": jnp.ones(4)}}
-      >>> match_rules(tree, [("kernel", QuantSpec(dtype=jnp.int4))])["dense/bias"] is None
+      >>> jq.match_rules(tree, [("kernel", jq.QuantSpec(dtype=jnp.int4))])["dense/bias"] is None
       True
     """
     checked = _check_rules(rules)
@@ -150,7 +151,8 @@ def unused_rules(tree: Any, rules: Rules) -> list[tuple[str, QuantSpec | None]]:
         an earlier call consumed.
 
     Example:
-      >>> unused_rules({"w": jnp.ones((2, 2))}, [("w", QuantSpec()), ("kernal", None)])
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> jq.unused_rules({"w": jnp.ones((2, 2))}, [("w", jq.QuantSpec()), ("kernal", None)])
       [('kernal', None)]
     """
     checked = _check_rules(rules)
@@ -195,7 +197,7 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
         `jaxquant.quantize`).
 
     Example:
-      >>> import jaxquant as jq
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> params = {"dense": {"kernel": jnp.ones((4, 8)), "bias": jnp.zeros(8)}}
       >>> jq.quantize_tree(params)["dense"]["kernel"]
       QTensor(int8[4, 8], axis=1, scale[8], dtype=float32)
@@ -243,7 +245,7 @@ def dequantize_tree(tree: Any) -> Any:
         axes is removed (edited by hand).
 
     Example:
-      >>> import jaxquant as jq
+      >>> import jax.numpy as jnp, jaxquant as jq
       >>> t = jq.dequantize_tree(jq.quantize_tree({"w": jnp.eye(2)}))
       >>> t["w"]
       Array([[1., 0.],
@@ -275,8 +277,8 @@ def tree_nbytes(tree: Any) -> int:
       TypeError: a leaf that is no array (an ``object()``), naming its path.
 
     Example:
-      >>> import jaxquant as jq
-      >>> tree_nbytes({"w": jnp.ones((4, 8)), "q": jq.quantize(jnp.ones((4, 8)), axis=1)})
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> jq.tree_nbytes({"w": jnp.ones((4, 8)), "q": jq.quantize(jnp.ones((4, 8)), axis=1)})
       192
     """
     total = 0

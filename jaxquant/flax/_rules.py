@@ -75,6 +75,7 @@ class ActSpec:
         concrete one-element float array).
 
     Example:
+      >>> from jaxquant.flax import ActSpec
       >>> ActSpec(granularity="tensor")
       ActSpec(dtype=dtype('int8'), granularity='tensor', scale=None)
     """
@@ -146,7 +147,8 @@ class QuantConfig:
       ValueError: an inconsistent combination (see the attributes).
 
     Example:
-      >>> import jaxquant as jq
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> from jaxquant.flax import ActSpec, QuantConfig
       >>> cfg = QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, block_size=32), act=ActSpec())
       >>> cfg.weight.block_size, cfg.act.granularity
       (32, 'token')

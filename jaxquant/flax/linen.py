@@ -95,6 +95,7 @@ class QuantizedLinen:
 
     Example:
       >>> import flax.linen as nn, jax, jax.numpy as jnp
+      >>> from jaxquant.flax import QuantConfig, QuantizedLinen
       >>> model = nn.Sequential([nn.Dense(4), nn.relu, nn.Dense(2)])
       >>> qm = QuantizedLinen(model, (("layers_0", QuantConfig()), ("layers_9", None)))
       >>> x = jnp.ones((1, 3))

@@ -52,7 +52,6 @@ class LearnedScale(nnx.Module):
       zero_point: the initial float zero point (scale's shape), or None (symmetric).
 
     Example:
-      >>> import jax.numpy as jnp
       >>> from flax import nnx
       >>> from jaxquant.flax import QuantConfig, nnx_qat
       >>> layer = nnx_qat(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), QuantConfig(learn_scale=True))
@@ -124,7 +123,7 @@ def nnx_layers(model: nnx.Module, rules: Rules) -> dict[str, QuantConfig | None]
 
     Example:
       >>> from flax import nnx
-      >>> from jaxquant.flax import QuantConfig
+      >>> from jaxquant.flax import nnx_layers
       >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
       >>> nnx_layers(model, [("layers/0", None)])
       {'layers/0': None}
@@ -148,7 +147,7 @@ def nnx_unused_rules(model: nnx.Module, rules: Rules) -> list:
 
     Example:
       >>> from flax import nnx
-      >>> from jaxquant.flax import QuantConfig
+      >>> from jaxquant.flax import QuantConfig, nnx_unused_rules
       >>> model = nnx.Sequential(nnx.Linear(2, 3, rngs=nnx.Rngs(0)))
       >>> nnx_unused_rules(model, [("layers/0", QuantConfig()), ("head", None)])
       [('head', None)]
@@ -187,9 +186,8 @@ def nnx_qat(model: nnx.Module, rules: Rules) -> nnx.Module:
         spec that does not fit a layer. Each before any layer changes.
 
     Example:
-      >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from jaxquant.flax import QuantConfig
+      >>> from jaxquant.flax import QuantConfig, nnx_qat
       >>> model = nnx_qat(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), QuantConfig())
       >>> type(model.promote_dtype).__name__
       'QATPromote'
@@ -266,6 +264,8 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
 
     Example:
       >>> import jax.numpy as jnp
+      >>> from flax import nnx
+      >>> from jaxquant.flax import QuantConfig, nnx_input_grams
       >>> model = nnx.Sequential(nnx.Linear(3, 2, rngs=nnx.Rngs(0)))
       >>> {k: v.shape for k, v in nnx_input_grams(model, QuantConfig(), jnp.ones((5, 3))).items()}
       {'layers/0': (3, 3)}
@@ -337,7 +337,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
     Example:
       >>> import jax.numpy as jnp
       >>> from flax import nnx
-      >>> from jaxquant.flax import QuantConfig
+      >>> from jaxquant.flax import QuantConfig, nnx_quantize
       >>> model = nnx_quantize(nnx.Linear(3, 2, rngs=nnx.Rngs(0)), QuantConfig())
       >>> model.kernel[...]
       QTensor(int8[3, 2], axis=1, scale[2], dtype=float32)
