@@ -102,8 +102,8 @@ def quantize(
     (0.0 maps to 0.0 exactly; unsigned formats get the mid-range zero point);
     asymmetric: the range ``[min(x, 0), max(x, 0)]`` onto ``[qmin, qmax]``;
     float and codebook formats: ``absmax / max_finite``. All-zero groups get
-    scale 1. ``scale_dtype``/``double_quant`` choose how the scale is stored
-    (see `jaxquant._scale_formats`): ``float8_e8m0fnu`` powers of two rounded
+    scale 1. ``scale_dtype``/``double_quant`` choose how the scale is stored:
+    ``float8_e8m0fnu`` powers of two rounded
     by ``scale_rounding``, or a two-level `QTensor` of float8 scales.
 
     Named composite formats (``dtype="mxfp4"``, ``"mxfp8_e4m3"``,
