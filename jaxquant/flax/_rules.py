@@ -128,7 +128,7 @@ class QuantConfig:
         weight-only at inference).
       int8_dot: ``Dense``-like layers (linen ``Dense``/``DenseGeneral``, nnx
         ``Linear``/``LinearGeneral``) train through a real int8 x int8 -> int32
-        dot with straight-through gradients (``jaxquant._qat_dot``). Needs
+        dot with straight-through gradients (`jaxquant.QATDotGeneral`). Needs
         symmetric int8 weights and ``act=None`` or a dynamic int8 `ActSpec`;
         other layers keep fake quantization. The kernel is quantized in its
         ``param_dtype``, before a layer's narrower compute ``dtype`` (bfloat16)
