@@ -330,7 +330,7 @@ def dequantize(qt: QTensor, dtype: DTypeLike | None = None) -> jax.Array:
       TypeError: if ``qt`` is not a `QTensor` (or holds no codes) or ``dtype`` is not a
         float dtype XLA computes in (not float6).
       ValueError: leaves that no longer fit the metadata (a stacked QTensor outside
-        ``vmap``/``scan``: apply ``dequantize`` inside the same ``jax.vmap``).
+        ``vmap``/``scan``: dequantize it with ``jax.vmap(jq.dequantize)(qt)``).
 
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
