@@ -63,7 +63,7 @@ def test_state_that_does_not_fit_the_target_is_refused():
     tree = {"w": jq.quantize(_W, axis=1)}
     state = serialization.to_state_dict(tree)
     wrong_scale = {"w": dict(state["w"], scale=np.ones(3, np.float32))}
-    with pytest.raises(ValueError, match=r"scale has shape \(3,\); codes of shape \(16, 64\)"):
+    with pytest.raises(ValueError, match=r"^\./w: QTensor state: scale has shape \(3,\), the target \(64,\)"):
         serialization.from_state_dict(tree, wrong_scale)
     with pytest.raises(ValueError, match=r"^\./w: a QTensor state dict has the keys "
                                          r"\['qvalue', 'scale', 'zero_point'\] \(and 'meta'\), "

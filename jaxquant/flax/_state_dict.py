@@ -27,7 +27,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
-from jaxquant._leaves import stacked_axes
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor
 
@@ -61,7 +60,7 @@ def _check_meta(target, saved: str, where: str) -> None:
                          f"got {saved!r:.80}.")
     want = _meta(target)
     for field in sorted(set(want) | set(got)):
-        if got.get(field) != want[field] if field in want else True:
+        if got.get(field) != want.get(field):
             raise ValueError(f"{where}: the state holds a {type(target).__name__} with "
                              f"{field}={got.get(field)!r}, the target {field}="
                              f"{want.get(field)!r}; load it into a target of the same "
@@ -86,16 +85,12 @@ def _from_state(target, state: dict):
             raise ValueError(f"{where}: {type(target).__name__} state: {k} holds "
                              f"{[jnp.dtype(b.dtype).name for b in got]}, the target "
                              f"{[jnp.dtype(a.dtype).name for a in want]}.")
-    record = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target),
-                                          jax.tree_util.tree_leaves(children))
-    if isinstance(record, QTensor):  # arrays that fit the record's metadata (stacks too)
-        stacked_axes(record, where)
-    for k, t, c in zip(fields, (getattr(target, k) for k in fields), children, strict=True):
-        for a, b in zip(jax.tree.leaves(t), jax.tree.leaves(c), strict=True):
+        for a, b in zip(want, got, strict=True):  # with the target's metadata: a record that fits
             if tuple(a.shape) != tuple(np.shape(b)):
                 raise ValueError(f"{where}: {type(target).__name__} state: {k} has shape "
                                  f"{tuple(np.shape(b))}, the target {tuple(a.shape)}.")
-    return record
+    return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(target),
+                                        jax.tree_util.tree_leaves(children))
 
 
 for _cls in _FIELDS:
