@@ -186,8 +186,9 @@ def histogram(bins: int = 2048, *, axis: int | None = None) -> Observer:
     decreases, then maps the chosen ``[min, max]`` to a scale. Infinities are
     skipped; the search and histogram equal PyTorch's (the tests compare them
     with ``torch.ao.quantization.HistogramObserver``) except where PyTorch's
-    float32 error underflows or overflows (data below about 1e-13 or above 1e12; it then keeps a sliver
-    of the range, and its histogram of data beyond about 1e35 overflows), or
+    float32 error underflows or overflows (data below about 1e-13 or above
+    1e12; it then keeps a sliver of the range, and its histogram of data beyond
+    about 1e35 overflows), or
     where the total count passes ``2**24`` (PyTorch's total is a float32
     ``torch.sum``: 19,999,988 for 20,000,000 values; here the count is exact),
     and per-axis observers run one search per entry. A batch is counted in
