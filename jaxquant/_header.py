@@ -161,11 +161,11 @@ def is_jaxquant(meta: dict[str, str] | None) -> bool:
     return bool(meta) and (HEADER_KEY in meta or HEADER_CRC_KEY in meta)
 
 
-def _added_entries(meta: dict[str, str]) -> tuple[str, ...] | None:
-    """The fewest non-jaxquant ``__metadata__`` entries without which the checksum matches:
-    entries a tool added after saving (Hugging Face's ``{"format": "pt"}``), which the
-    checksum never covered; ``None`` when no such set (of up to 4 of at most 12) exists."""
-    others = sorted(k for k in meta if not k.startswith(HEADER_KEY))
+def _added_entries(meta: dict[str, str], others: list[str]) -> tuple[str, ...] | None:
+    """The fewest of ``others`` (the non-jaxquant ``__metadata__`` entries) without which
+    the checksum matches: entries a tool added after saving (Hugging Face's ``{"format":
+    "pt"}``), which the checksum never covered; ``None`` when no such set (of up to 4 of at
+    most 12) exists."""
     if len(others) > 12:
         return None
     for n in range(1, min(4, len(others)) + 1):
@@ -201,8 +201,8 @@ def read_header(meta: dict[str, str] | None, where: str) -> dict:
                          f"{FORMAT_NAME!r}, got {got!r}.")
     version, crc = header.get("version"), _metadata_crc(meta)
     newer = type(version) is int and version > max(_READABLE)  # may checksum otherwise
-    if meta.get(HEADER_CRC_KEY) != crc and not newer and _added_entries(meta) is None:
-        others = sorted(k for k in meta if not k.startswith(HEADER_KEY))
+    others = sorted(k for k in meta if not k.startswith(HEADER_KEY))
+    if meta.get(HEADER_CRC_KEY) != crc and not newer and _added_entries(meta, others) is None:
         raise ValueError(f"{where}: corrupted jaxquant metadata: its CRC-32 is {crc}, the file "
                          f"records {meta.get(HEADER_CRC_KEY)!r} (it covers the header and "
                          f"the metadata entries saved with it, one of which changed or was "

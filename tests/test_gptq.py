@@ -166,6 +166,9 @@ def test_argument_errors(kw, match):
 def test_damp_that_is_not_a_number_is_a_type_error(damp, got):
     with pytest.raises(TypeError, match=f"damp must be a number, got {got}"):
         jq.gptq(np.ones((8, 4), np.float32), np.eye(8, dtype=np.float32), damp=damp)
+
+
+def test_traced_damp_is_a_type_error_asking_for_a_static_value():
     with pytest.raises(TypeError, match="damp must be a number, got .*Tracer.*a static value"):
         jax.jit(lambda d: jq.gptq(np.ones((8, 4), np.float32), np.eye(8), damp=d))(0.01)
 
