@@ -64,6 +64,29 @@ def test_w8a8_blocked_along_contraction_matches_numpy(k, block):
     np.testing.assert_allclose(np.asarray(y), expected, rtol=1e-6, atol=1e-5)
 
 
+@pytest.mark.parametrize("blocks", [1, 2, 5, 7, 8])
+def test_w8a8_blocked_sums_every_block_once(blocks):
+    # the blocks' scaled sums are added pairwise (halves, plus the odd block out)
+    x, w = _data(k=16 * blocks)
+    qt = jq.quantize(w, axis=0, block_size=16)
+    y = np.asarray(jax.jit(lambda x, w: qdot_general(x, w, DN, act_quant=W8A8))(x, qt))
+    xq, sx = _np_act_codes(x)
+    wq, sw = np.asarray(qt.qvalue).astype(np.int32), np.asarray(qt.scale)
+    per_block = [(xq[:, g * 16:(g + 1) * 16] @ wq[g * 16:(g + 1) * 16]).astype(np.float64)
+                 * sx * sw[g] for g in range(blocks)]
+    np.testing.assert_allclose(y, sum(per_block), rtol=1e-6, atol=1e-5)
+
+
+def test_w8a8_blocked_adds_blocks_without_a_float_reduction():
+    # XLA:CPU reduces the dot's major axis of blocks far slower than the int8 dot itself
+    x, w = _data(k=128)
+    qt = jq.quantize(w, axis=0, block_size=16)
+    jaxpr = jax.make_jaxpr(lambda x, w: qdot_general(x, w, DN, act_quant=W8A8))(x, qt)
+    sums = [e.invars[0].aval for e in find_eqns(jaxpr.jaxpr, "reduce_sum")]
+    assert not [a for a in sums if a.dtype == jnp.float32 and 8 in a.shape], sums
+    assert [e.outvars[0].aval.shape for e in find_eqns(jaxpr.jaxpr)] == [(8, 6, 40)]
+
+
 def test_w8a8_error_within_quantization_bound():
     x, w = _data()
     qt = jq.quantize(w, axis=1)
