@@ -109,7 +109,9 @@ def test_learned_scale_of_a_symmetric_unsigned_spec_keeps_the_mid_range_zero_poi
     y, (grads, _) = _forward_and_vjp(qm.apply, v, jnp.asarray(x), jnp.asarray(g))
     y_t, gk_t, gs_t = _torch_uint8_reference(kernel, scale, x, g)
     np.testing.assert_allclose(np.asarray(y), y_t, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(grads["params"]["kernel"]), gk_t, rtol=1e-6)
+    # x^T g sums five products in another order than torch: float32 rounding of the sum
+    np.testing.assert_allclose(np.asarray(grads["params"]["kernel"]), gk_t, rtol=1e-6,
+                               atol=1e-6 * np.abs(gk_t).max())
     np.testing.assert_allclose(np.asarray(grads["quant"]["kernel_scale"]), gs_t, rtol=1e-4,
                                atol=1e-4)
     q = jax.jit(qm.quantize_params)(v, jnp.asarray(x))["params"]["kernel"]
