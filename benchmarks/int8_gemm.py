@@ -136,17 +136,27 @@ BASELINES = {"XLA": "XLA float32", "PyTorch": "PyTorch float32",
 """Each runtime's float32 row, the baseline of its other rows."""
 
 
-def check_products(ops: dict) -> None:
-    """Every runtime's int8 product equals NumPy's exact int64 one (the timings time real
-    work). Raises AssertionError otherwise."""
+def check_products(ops: dict) -> dict[str, int]:
+    """Each int8 product against NumPy's exact int64 one: the number of entries that differ.
+
+    XLA's products must be exact (AssertionError otherwise): they are what jaxquant
+    runs. A peer's may not be: ONNX Runtime's uint8 x int8 kernel on x86 without VNNI
+    (AVX2's ``vpmaddubsw``) adds pairs of products in int16 and saturates with
+    full-range operands (ONNX Runtime's own quantizer offers ``reduce_range``, 7-bit
+    weights, for such CPUs); the table says so rather than timing it unmarked.
+    """
     want = ops["a"].astype(np.int64) @ ops["b"].astype(np.int64)
     got = {name: np.asarray(fn()) for name, fn in
            {**xla_cases(ops), **torch_cases(ops), **onnxruntime_cases(ops)}.items()
            if "int8" in name}
     shift = 128 * ops["b"].astype(np.int64).sum(axis=0)  # (a + 128) @ b = a @ b + 128 sum(b)
+    wrong = {}
     for name, value in got.items():
         expect = want + shift if "uint8" in name else want
-        np.testing.assert_array_equal(value.astype(np.int64), expect, err_msg=name)
+        if name.startswith("XLA"):
+            np.testing.assert_array_equal(value.astype(np.int64), expect, err_msg=name)
+        wrong[name] = int(np.sum(value.astype(np.int64) != expect))
+    return wrong
 
 
 def run(rounds: int) -> dict:
@@ -155,7 +165,7 @@ def run(rounds: int) -> dict:
     rows = []
     for m, k, n in SHAPES:
         ops = operands(m, k, n)
-        check_products(ops)
+        wrong = check_products(ops)
         secs = {}
         for cases in (xla_cases(ops), torch_cases(ops), onnxruntime_cases(ops)):
             # One runtime at a time: the thread pools of the others stay idle.
@@ -167,6 +177,7 @@ def run(rounds: int) -> dict:
             base = next(b for r, b in BASELINES.items() if name.startswith(r))
             rows.append({"shape": [m, k, n], "case": name, "median_ms": 1e3 * statistics.median(s),
                          "min_ms": 1e3 * min(s), "baseline": base,
+                         "wrong_entries": wrong.get(name, 0), "entries": m * n,
                          "vs_own_float32": statistics.median(
                              a / b for a, b in zip(s, secs[base], strict=True))})
     return {
@@ -190,14 +201,17 @@ def markdown(result: dict) -> str:
         f"round-robin rounds · 1-min load average {result['load_average'][0]:.2f} before, "
         f"{result['load_average'][1]:.2f} after",
         "",
-        "Every int8 product was checked equal to NumPy's exact int64 product before timing.",
+        "Every int8 product was compared with NumPy's exact int64 product before timing "
+        "(XLA's must be equal); the last column counts the entries that differ.",
         "",
-        "| shape (m, k, n) | case | median ms | min ms | vs the same runtime's float32 |",
-        "|---|---|---:|---:|---:|",
+        "| shape (m, k, n) | case | median ms | min ms | vs the same runtime's float32 "
+        "| entries not equal to NumPy's |",
+        "|---|---|---:|---:|---:|---:|",
     ]
     for r in result["rows"]:
+        wrong = f"{r['wrong_entries']} of {r['entries']}" if "int8" in r["case"] else ""
         lines.append(f"| {tuple(r['shape'])} | {r['case']} | {r['median_ms']:.3f} "
-                     f"| {r['min_ms']:.3f} | {r['vs_own_float32']:.2f} |")
+                     f"| {r['min_ms']:.3f} | {r['vs_own_float32']:.2f} | {wrong} |")
     return "\n".join(lines) + "\n"
 
 

@@ -99,8 +99,11 @@ def test_inference_mlp(tmp_path):
 
 def test_int8_gemm(tmp_path):  # the benchmark itself checks every int8 product against NumPy
     report = run_benchmark("int8_gemm", "--rounds", "1", out=tmp_path)
-    cases = {r["case"] for r in report["rows"]}
-    assert {"XLA float32", "XLA int8 x int8 -> int32"} <= cases
+    cases = {r["case"]: r for r in report["rows"]}
+    assert {"XLA float32", "XLA int8 x int8 -> int32"} <= set(cases)
+    for name, row in cases.items():  # a peer's inexact product is counted, XLA's must be exact
+        assert row["entries"] == row["shape"][0] * row["shape"][2], name
+        assert row["wrong_entries"] == 0 or not name.startswith("XLA"), name
 
 
 def test_qat_mlp(tmp_path):
