@@ -52,12 +52,19 @@ def call_repeatedly(fn: Callable[[], object], calls: int) -> list:
 
 def run_rounds(fns: dict[str, Callable[[], object]],
                repeats: int) -> dict[str, list[tuple[float, int]]]:
-    """Times every callable once per round, in turn: ``repeats`` (seconds, faults) each."""
+    """Times every callable once per round, in turn: ``repeats`` (seconds, faults) each.
+
+    Each round starts one callable later than the one before, so that none is always
+    the one that runs after the same neighbour (or first, after the allocator has
+    returned the last round's buffers to the system and their pages fault in again).
+    """
     times: dict[str, list[tuple[float, int]]] = {name: [] for name in fns}
+    names = list(fns)
     for r in range(repeats):
         start = time.perf_counter()
-        for name, fn in fns.items():
-            times[name].append(time_call(fn))
+        shift = r % len(names)
+        for name in names[shift:] + names[:shift]:
+            times[name].append(time_call(fns[name]))
         print(f"  round {r + 1}/{repeats}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return times
 

@@ -178,6 +178,14 @@ def test_timed_calls_wait_for_every_leaf_of_every_result():
     assert len(waited) == 9 and len({id(w) for w in waited}) == 9
 
 
+def test_rounds_start_one_case_later_each_round():
+    order = []
+    fns = {name: functools.partial(order.append, name) for name in "abc"}
+    times = _harness.run_rounds(fns, 4)
+    assert "".join(order) == "abc" + "bca" + "cab" + "abc"
+    assert all(len(t) == 4 for t in times.values())
+
+
 def test_reports_record_command_device_and_peer_threads():
     info = _harness.machine_info(["jax", "surely-not-an-installed-package"])
     assert info["jax_devices"] == f"{jax.device_count()} x {jax.devices()[0].device_kind}"
