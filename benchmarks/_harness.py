@@ -62,7 +62,7 @@ def run_rounds(fns: dict[str, Callable[[], object]],
     names = list(fns)
     for r in range(repeats):
         start = time.perf_counter()
-        shift = r % len(names)
+        shift = r % max(len(names), 1)  # no cases (a runtime not installed): empty rounds
         for name in names[shift:] + names[:shift]:
             times[name].append(time_call(fns[name]))
         print(f"  round {r + 1}/{repeats}: {time.perf_counter() - start:.1f} s", file=sys.stderr)

@@ -184,6 +184,7 @@ def test_rounds_start_one_case_later_each_round():
     times = _harness.run_rounds(fns, 4)
     assert "".join(order) == "abc" + "bca" + "cab" + "abc"
     assert all(len(t) == 4 for t in times.values())
+    assert _harness.run_rounds({}, 2) == {}  # a peer that is not installed has no cases
 
 
 def test_reports_record_command_device_and_peer_threads():
