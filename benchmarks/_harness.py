@@ -62,9 +62,9 @@ def run_rounds(fns: dict[str, Callable[[], object]],
     names = list(fns)
     for r in range(repeats):
         start = time.perf_counter()
-        shift = r % max(len(names), 1)  # no cases (a runtime not installed): empty rounds
-        for name in names[shift:] + names[:shift]:
+        for name in names:
             times[name].append(time_call(fns[name]))
+        names = names[1:] + names[:1]
         print(f"  round {r + 1}/{repeats}: {time.perf_counter() - start:.1f} s", file=sys.stderr)
     return times
 
