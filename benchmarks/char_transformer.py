@@ -3,7 +3,7 @@
 Run from the repository root::
 
     python -m benchmarks.char_transformer              # the full run (minutes on a CPU)
-    python -m benchmarks.char_transformer --steps 50   # a quick check
+    python -m benchmarks.char_transformer --steps 50 --eval-batches 2   # a quick check
 
 The corpus is the bytes of the Python standard library's ``.py`` files, read
 from the running interpreter (`jaxquant._demo.load_corpus`: every tenth file is
@@ -328,9 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=Config.steps)
     p.add_argument("--layers", type=int, default=Config.layers)
     p.add_argument("--width", type=int, default=Config.width)
+    p.add_argument("--eval-batches", type=int, default=Config.eval_batches,
+                   help="held-out batches of 64 windows each variant is evaluated on")
     p.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     a = p.parse_args(argv)
-    cfg = Config(steps=a.steps, layers=a.layers, width=a.width)
+    cfg = Config(steps=a.steps, layers=a.layers, width=a.width, eval_batches=a.eval_batches)
     run(cfg, a.out, log=lambda s: print(s, flush=True))
     return 0
 
