@@ -173,6 +173,7 @@ def test_formats_sqnr(tmp_path):
 def test_char_transformer(tmp_path):
     report = run_benchmark("char_transformer", "--steps", "2", "--layers", "1", "--width", "48",
                            "--eval-batches", "2", out=tmp_path, compile_bound=True)
+    assert report["config"]["eval_batches"] == 2
     rows = rows_by_name(report["rows"], "variant")
     assert len(rows) == 6 and rows["float32"]["bytes_vs_float"] == 1.0
     for name, row in rows.items():
