@@ -183,6 +183,8 @@ def fake_quant(
             scale = jax.lax.stop_gradient(scale_values_of(scale))
         scale = as_array(scale, "scale")
         check_float_scale(scale.dtype)
+        if scale.weak_type:  # a Python float: the float32 of the quotient, as in `quantize`
+            scale = jax.lax.convert_element_type(scale, jnp.float32)  # (one compile for both)
         layout = layout_from_scale(x.shape, scale.shape, axis, block_size)
         scale = squeeze_tensor_scale(scale, layout)
         check_shards_fit(x, layout, None)
@@ -310,7 +312,8 @@ def _fake_quant_bwd(config: _Config, residuals, g):
     factor = 1.0
     if config.grad_scale:  # N = elements sharing each scale (fewer in a partial last block)
         count = group_reduce(jnp.ones(x.shape, jnp.float32), config.layout, jnp.sum)
-        factor = jax.lax.rsqrt(count * jnp.float32(fmt.qmax))
+        # an empty group's gradient is a sum of nothing, 0 (not 0 * rsqrt(0), NaN)
+        factor = jax.lax.rsqrt(jnp.maximum(count, 1.0) * jnp.float32(fmt.qmax))
 
     def to_scale(v):
         return (group_reduce(v, config.layout, jnp.sum) * factor).reshape(scale.shape)

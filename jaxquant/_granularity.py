@@ -141,8 +141,11 @@ def layout_from_scale(
     Raises:
       ValueError: if the scale's shape fits no layout, naming the expected shape, or
         ``block_size <= 0``.
-      TypeError: if ``block_size`` is not an int, a tuple or ``None``.
+      TypeError: if ``axis`` is not an int or ``None`` (even where it is ignored), or
+        ``block_size`` is not an int, a tuple or ``None``.
     """
+    if axis is not None and not _is_int(axis):
+        raise TypeError(f"axis must be an int or None, got {axis!r}.")
     if isinstance(block_size, tuple | list):
         layout = _tile_layout(shape, axis, tuple(block_size))
         expected = layout.scale_shape(shape)

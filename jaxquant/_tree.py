@@ -3,7 +3,8 @@
 A rule is a plain ``(pattern, spec)`` pair. Each leaf's path is its keys
 joined by ``/`` (``params/Dense_0/kernel``), matched with `re.search`; the
 first matching rule wins, ``spec=None`` keeps the leaf, unmatched leaves are
-kept. Only floating-point leaves are ever quantized.
+kept. Only floating-point leaves are ever quantized (not ``float8_e8m0fnu`` scale
+arrays or NumPy's float6, which `quantize` refuses).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jaxquant._leaves import is_abstract, is_record, leaf_dtype, leaf_nbytes, stacked_axes
 from jaxquant._progress import progress_bar
@@ -87,17 +89,27 @@ def _check_rules(rules: Rules):
     return checked
 
 
+_NOT_QUANTIZABLE = ("float8_e8m0fnu", "float6_e2m3fn", "float6_e3m2fn")  # `quantize` refuses
+
+
 def _is_float(leaf) -> bool:
+    """Whether ``leaf`` is a float array (or a Python float, a float32 tracer under jit)
+    that `quantize` takes: not a scale format (``float8_e8m0fnu``) or NumPy's float6."""
     try:
-        return hasattr(leaf, "dtype") and jnp.issubdtype(leaf_dtype(leaf), jnp.floating)
+        dtype = leaf_dtype(leaf)
     except TypeError:  # a dtype of another library's own (torch.quint8): kept as it is
         return False
+    return jnp.issubdtype(dtype, jnp.floating) and dtype.name not in _NOT_QUANTIZABLE
+
+
+def _ndim(leaf) -> int:
+    return len(leaf.shape) if hasattr(leaf, "shape") else np.ndim(leaf)
 
 
 def _select(path: str, leaf, rules) -> tuple[QuantSpec | None, int | None]:
     """(spec or None, index of the rule that matched or None)."""
     if rules is None or isinstance(rules, QuantSpec):
-        ok = _is_float(leaf) and leaf.ndim >= 2
+        ok = _is_float(leaf) and _ndim(leaf) >= 2
         return ((rules or QuantSpec()) if ok else None), None
     for i, (pattern, spec) in enumerate(rules):
         if pattern.search(path):
@@ -176,9 +188,11 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
         ``QuantSpec()``; a `QuantSpec`: the same selection with that spec; or a
         sequence of ``(pattern, QuantSpec | None)``: the first pattern that
         `re.search` finds in the leaf's ``/``-joined path wins, ``None`` keeps
-        the leaf, unmatched leaves are kept. Non-float leaves and existing
-        `QTensor` and `PackedArray` leaves are always kept (each under its own
-        path, not its children's).
+        the leaf, unmatched leaves are kept. Non-float leaves (and
+        ``float8_e8m0fnu`` scale arrays and NumPy's float6 arrays, which
+        `quantize` refuses) and existing `QTensor` and `PackedArray` leaves are
+        always kept (each under its own path, not its children's). A Python
+        float is a float leaf (as it is under `jax.jit`, a float32 tracer).
       progress: show a tqdm bar over the leaves that are quantized (on stderr,
         when tqdm is installed; eager calls only, a traced call has nothing to
         show).
@@ -213,6 +227,8 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
     with bar:
         for (path, leaf), spec in zip(flat, specs, strict=True):
             if spec is not None:
+                if not hasattr(leaf, "shape"):  # a Python float: float32, as under jit
+                    leaf = jnp.asarray(leaf)
                 try:  # placeholders (ShapeDtypeStruct): an abstract QTensor, shardings kept
                     leaf = jax.eval_shape(spec, leaf) if is_abstract(leaf) else spec(leaf)
                 except (TypeError, ValueError) as e:  # name the leaf the rule failed on

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import jaxquant as jq
+from jaxquant import _fake_quant
 
 
 # int8 takes int4's path (signed, no zero point); uint8 covers the zero point.
@@ -121,3 +122,28 @@ def test_a_nan_input_is_the_zero_points_code_as_in_quantize(fmt, gran):
     np.testing.assert_array_equal(np.delete(got[0], 6), np.delete(clean[0], 6))
     for a, b in zip(got[1:], clean[1:], strict=True):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("gran, scale_shape", [(dict(), ()), (dict(axis=1), (3,)),
+                                               (dict(axis=1, block_size=2), (0, 2))])
+def test_lsq_grad_scale_of_an_empty_input_is_zero_not_nan(gran, scale_shape):
+    # a sum over no elements is 0; 1 / sqrt(N * qmax) with N = 0 must not turn it into NaN
+    x = jnp.zeros((0, 3))
+    scale = jnp.full(scale_shape, 0.1)
+    zp = jnp.zeros(scale.shape)
+    g = jax.grad(lambda s, z: jq.fake_quant(x, s, z, dtype="uint8", lsq_grad_scale=True,
+                                            **gran).sum(), argnums=(0, 1))(scale, zp)
+    for a in g:
+        assert not np.isnan(np.asarray(a)).any()
+        np.testing.assert_array_equal(a, np.zeros(scale.shape))
+
+
+def test_a_python_float_scale_is_the_float32_scales_program():
+    # a weakly typed scale would otherwise be a new jit cache entry (and a new compile)
+    x = jnp.linspace(-1.0, 1.0, 7)
+    before = _fake_quant._fake_quant_program._cache_size()
+    a = jq.fake_quant(x, jnp.float32(0.1))
+    mid = _fake_quant._fake_quant_program._cache_size()
+    b = jq.fake_quant(x, 0.1)
+    assert _fake_quant._fake_quant_program._cache_size() == mid <= before + 1
+    np.testing.assert_array_equal(a, b)

@@ -10,6 +10,7 @@ import re
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -70,14 +71,45 @@ def test_nnx_state_is_quantized_and_restored_in_place():
 
 def test_non_float_scalar_and_empty_leaves_are_kept_even_when_a_rule_matches():
     tree = {"i": jnp.ones((4, 4), jnp.int32), "b": jnp.ones((4, 4), bool),
-            "c": jnp.ones((4, 4), jnp.complex64), "lr": 0.5, "n": 3, "none": None,
-            "key": jax.random.key(0)}
+            "c": jnp.ones((4, 4), jnp.complex64), "n": 3, "none": None,
+            "key": jax.random.key(0), "e8m0": jnp.ones((4, 1), jnp.float8_e8m0fnu),
+            "f6": np.ones((4, 4), ml_dtypes.float6_e2m3fn)}
     q = jq.quantize_tree(tree, [("", jq.QuantSpec())])
-    for name in ("i", "b", "c", "lr", "n", "key"):
+    for name in ("i", "b", "c", "n", "key", "e8m0", "f6"):
         assert q[name] is tree[name]
     assert q["none"] is None
     # a rule that met only non-float leaves did meet a path: not listed as unused
     assert jq.unused_rules(tree, [("^i$", jq.QuantSpec()), ("^zz$", None)]) == [("^zz$", None)]
+
+
+def test_default_rules_keep_scale_format_and_float6_leaves():
+    # quantize refuses both; a tree holding MX scales must still convert its float leaves
+    tree = {"w": jnp.ones((4, 32)), "w_scale": jnp.ones((4, 1), jnp.float8_e8m0fnu),
+            "f6": np.ones((4, 4), ml_dtypes.float6_e3m2fn)}
+    q = jq.quantize_tree(tree)
+    assert jq.is_qtensor(q["w"])
+    assert q["w_scale"] is tree["w_scale"] and q["f6"] is tree["f6"]
+    assert jq.match_rules(tree)["w_scale"] is None
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(axis=None), jq.QuantSpec()])
+def test_a_python_float_leaf_is_treated_eagerly_as_under_jit(spec):
+    # under jit a Python float is a float32 scalar: eager calls must not decide otherwise
+    tree, rules = {"lr": 1.5, "w": jnp.ones((2, 2))}, [("", spec)]
+
+    def outcome(fn):
+        try:
+            return jax.tree.structure(fn(tree), is_leaf=jq.is_qtensor)
+        except ValueError as e:
+            assert "leaf 'lr' (float32[])" in str(e)
+            return "ValueError"
+
+    eager = outcome(lambda t: jq.quantize_tree(t, rules))
+    assert eager == outcome(jax.jit(lambda t: jq.quantize_tree(t, rules)))
+    assert (eager == "ValueError") == (spec.axis is not None)  # a rank-0 leaf has no axis -1
+    if spec.axis is None:
+        assert jq.is_qtensor(jq.quantize_tree(tree, rules)["lr"])
+        assert jq.match_rules(tree, rules)["lr"] == spec
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32, np.float32])
