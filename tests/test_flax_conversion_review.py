@@ -100,16 +100,24 @@ def test_linen_subclass_that_never_calls_promote_dtype_is_an_error_in_qat():
                                rtol=1e-5, atol=1e-5)
 
 
-def test_w8a8_qat_of_bfloat16_params_computed_in_float32_is_the_deployed_model():
+@pytest.mark.parametrize("dtype", [jnp.float32, None], ids=["float32", "inferred"])
+def test_w8a8_qat_of_bfloat16_params_computed_in_float32_is_the_deployed_model(dtype):
     # before: QAT rounded the fake-quantized kernel to bfloat16, the deployed int8 dot
-    # multiplies the codes by float32 scales exactly: 6.4e-3 apart (|y| about 4)
+    # multiplies the codes by float32 scales exactly: 6.4e-3 apart (|y| about 4); with
+    # dtype=None (Flax's default: float32 inferred from the float32 input) still 4.3e-3
+    with jax.numpy_dtype_promotion("standard"):  # float32 with bfloat16: refused if strict
+        _check_w8a8_qat_is_deployed(dtype)
+
+
+def _check_w8a8_qat_is_deployed(dtype):
     rules = QuantConfig(act=ActSpec())
-    dense = nn.Dense(256, dtype=jnp.float32, param_dtype=jnp.bfloat16)
+    dense = nn.Dense(256, dtype=dtype, param_dtype=jnp.bfloat16)
     qm = quantize_linen(dense, rules)
     v = qm.init(jax.random.key(3), X)
+    assert qm.apply(v, X).dtype == jnp.float32
     np.testing.assert_allclose(np.asarray(qm.apply(qm.quantize_params(v, X), X)),
                                np.asarray(qm.apply(v, X)), rtol=1e-5, atol=1e-5)
-    layer = nnx.Linear(16, 256, dtype=jnp.float32, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
+    layer = nnx.Linear(16, 256, dtype=dtype, param_dtype=jnp.bfloat16, rngs=nnx.Rngs(3))
     nnx_qat(layer, rules)
     trained = layer(X)
     np.testing.assert_allclose(np.asarray(nnx_quantize(layer, rules)(X)), np.asarray(trained),

@@ -293,3 +293,21 @@ def test_nnx_grouped_strided_conv_w8a8_equals_numpy_emulation():
     graphdef, state = nnx.split(model)
     jaxpr = jax.make_jaxpr(lambda s: nnx.merge(graphdef, s)(x))(state).jaxpr
     assert _int8_dots(jaxpr) == [[jnp.int8, jnp.int8, jnp.int32]]
+
+
+@pytest.mark.parametrize("shape", [(2, 8, 3, 8), (2, 4, 3, 8)], ids=["equal-sizes", "unequal"])
+@pytest.mark.parametrize("act", [None, ActSpec()], ids=["weight-only", "w8a8"])
+def test_linen_dense_general_axes_out_of_order_are_flax_s_sorted_axes(shape, act):
+    """Flax sorts DenseGeneral's axes: ``axis=(-1, 1)`` contracts input axes (1, 3) with kernel
+    axes (0, 1). Inference on the QTensor kernel must pair them as Flax's own layer does."""
+    x = _x(*shape)
+    model = nn.DenseGeneral(5, axis=(-1, 1))
+    qm = quantize_linen(model, QuantConfig(act=act))
+    params = jax.jit(model.init)(jax.random.key(1), x)
+    assert params["params"]["kernel"].shape == (shape[1], shape[3], 5)
+    q = jax.jit(qm.quantize_params)(params, x)
+    y = jax.jit(qm.apply)(q, x)
+    # the reference: Flax's float layer on the dequantized kernel (and fake-quantized input)
+    a = x if act is None else jnp.asarray(_np_act(x, (1, 3)), jnp.float32)
+    want = model.clone(precision=jax.lax.Precision.HIGHEST).apply(_dequantized(q), a)
+    np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)

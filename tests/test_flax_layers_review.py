@@ -207,3 +207,32 @@ def test_linen_layers_match_the_numpy_reference_and_scale_shapes():
         "['params']['dg']['kernel']": (2,), "['params']['ein']['kernel']": (6,),
         "['params']['conv']['kernel']": (4,), "['params']['grouped']['kernel']": (4,)}
     _close(jax.jit(qm.apply)(qparams, x), y, 1e-5)
+
+
+class _PositionTable(nn.Module):
+    """A learned positional table read only as ``.embedding`` (never called)."""
+
+    @nn.compact
+    def __call__(self, x):
+        pos = nn.Embed(16, 8, name="pos")
+        return nn.Dense(4)(x + pos.embedding[None, : x.shape[1]])
+
+
+@pytest.mark.parametrize("learn_scale", [False, True])
+def test_linen_embed_read_only_as_its_table_is_a_layer_converted_as_trained(learn_scale):
+    # before: fake-quantized in training, but missing from layers(), its rule reported
+    # unused, the table left float by quantize_params and (learn_scale) the scale dropped
+    x = _x(2, 5, 8)
+    rules = [("pos", QuantConfig(learn_scale=learn_scale)), ("", None)]
+    qm = quantize_linen(_PositionTable(), rules)
+    v = qm.init(jax.random.key(0), x)
+    assert set(qm.layers(v, x)) == {"pos", "Dense_0"}
+    assert qm.unused_rules(v, x) == []
+    q = qm.quantize_params(v, x)
+    table = q["params"]["pos"]["embedding"]
+    assert jq.is_qtensor(table)
+    trained = qm.apply(v, x)
+    float_model = _PositionTable().apply({"params": v["params"]}, x)
+    assert float(jnp.max(jnp.abs(trained - float_model))) > 0  # the table was fake-quantized
+    np.testing.assert_allclose(np.asarray(qm.apply(q, x)), np.asarray(trained),
+                               rtol=1e-6, atol=1e-6)

@@ -54,6 +54,13 @@ def _tuple(v) -> tuple:
     return tuple(np.atleast_1d(v).tolist())
 
 
+def _dense_general_axes(m, ndim: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A `DenseGeneral`'s ``(batch_dims, axis)`` as Flax lays out its kernel: non-negative
+    and sorted (``axis=(-1, 1)`` contracts input axes 1, 3 with kernel axes 0, 1)."""
+    return tuple(sorted(a % ndim for a in _tuple(m.batch_dims))), \
+        tuple(sorted(a % ndim for a in _tuple(m.axis)))
+
+
 def kernel_shape(m, args, kwargs) -> tuple[int, ...] | None:
     """The shape of the kernel (table) that the float layer creates for this call;
     ``None`` for `DEQUANTIZED` layers (checked when they create it: `_stored_init`)."""
@@ -67,8 +74,8 @@ def kernel_shape(m, args, kwargs) -> tuple[int, ...] | None:
     if isinstance(m, nn.Conv):
         return _tuple(m.kernel_size) + (shape[-1] // m.feature_group_count, m.features)
     if isinstance(m, nn.DenseGeneral):
-        return (tuple(shape[a] for a in _tuple(m.batch_dims))
-                + tuple(shape[a] for a in _tuple(m.axis)) + _tuple(m.features))
+        batch, axis = _dense_general_axes(m, len(shape))
+        return tuple(shape[a] for a in batch + axis) + _tuple(m.features)
     return (shape[-1], m.features)
 
 
@@ -215,8 +222,7 @@ def infer(m, method: str, act, qt, args, kwargs):
                                                                                qt.dtype))[1])
         return y
     if isinstance(m, nn.DenseGeneral):
-        axis = tuple(a % x.ndim for a in _tuple(m.axis))
-        batch = tuple(a % x.ndim for a in _tuple(m.batch_dims))
+        batch, axis = _dense_general_axes(m, x.ndim)
         nb = len(batch)
         dims = ((axis, tuple(range(nb, nb + len(axis)))), (batch, tuple(range(nb))))
         expanded = tuple(x.shape[a] if a in batch else 1 for a in range(x.ndim)

@@ -261,9 +261,13 @@ class QATPromote:
             if self.weight is not None and items[k] is not None:
                 s, z = (None, None) if self.scale is None else self.scale(items[k])
                 w = items[k]
-                if (self.exact_kernel and dtype is not None and jnp.issubdtype(dtype, jnp.floating)
-                        and jnp.dtype(dtype).itemsize > jnp.dtype(w.dtype).itemsize):
-                    w = w.astype(dtype)
+                # the compute dtype: the layer's, or (dtype=None) Flax's inference from the
+                # operands (bfloat16 params and a float32 input compute in float32)
+                compute = dtype if dtype is not None else _inferred_dtype(items)
+                if (self.exact_kernel and compute is not None
+                        and jnp.issubdtype(compute, jnp.floating)
+                        and jnp.dtype(compute).itemsize > jnp.dtype(w.dtype).itemsize):
+                    w = w.astype(compute)
                 items[k] = fake_quant_weight(w, self.weight, s, z)
             if self.act is not None and len(items) >= 2:
                 if not jnp.issubdtype(jnp.result_type(items[0]), jnp.inexact):
@@ -274,6 +278,15 @@ class QATPromote:
             out = [*out[:1], items[1], *out[2:]]
             return tuple(out) if as_tuple else out
         return out
+
+
+def _inferred_dtype(items):
+    """Flax's compute dtype for ``dtype=None``: the operands' promotion; ``None`` where
+    strict promotion has none (Flax's own ``promote_dtype`` then says so)."""
+    try:
+        return jnp.result_type(*(v for v in items if v is not None))
+    except jax.dtypes.TypePromotionError:
+        return None
 
 
 @dataclasses.dataclass(frozen=True)

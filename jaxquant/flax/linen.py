@@ -56,7 +56,10 @@ def _interceptor(rules, record: dict | None = None):
             if not is_qtensor(stored):
                 next_fun(*args, **kwargs)
             with layer_errors(where):
-                return setup_embed(m, cfg, get_param(m, name))
+                out = setup_embed(m, cfg, get_param(m, name))
+            if record is not None:  # a table read only as `.embedding` is a layer too
+                record[path] = (type(m).__name__, name, np.shape(get_param(m, name)), cfg)
+            return out
         if is_qtensor(stored):
             check_kernel_shape(m, name, stored, args, kwargs)
             with layer_errors(where), unrecorded():
