@@ -62,7 +62,10 @@ def _path(path, argname: str = "path") -> str:
     """``path`` as a ``str`` (a ``bytes`` path decoded), or a TypeError naming ``argname``."""
     if not isinstance(path, str | bytes | os.PathLike):
         raise TypeError(f"{argname} must be a str or os.PathLike, got {type(path).__name__}.")
-    return os.fsdecode(os.fspath(path))
+    path = os.fsdecode(os.fspath(path))
+    if not path:  # abspath("") is the working directory: a file there with no name
+        raise ValueError(f"{argname} must name a file or directory, got an empty string.")
+    return path
 
 
 def _safetensors():
@@ -101,9 +104,9 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
       FileNotFoundError, IsADirectoryError: the directory of ``path`` does not exist, or
         ``path`` is a directory.
       TypeError: ``path`` not a path, a leaf that is not an array, or bad ``metadata``.
-      ValueError: two leaves whose paths (or tensor names) coincide; an array leaf at
-        the path ``"__metadata__"`` (safetensors' name for the metadata; a `QTensor`
-        there is stored as ``__metadata__/qvalue``...); a reserved metadata key;
+      ValueError: an empty ``path``; two leaves whose paths (or tensor names) coincide;
+        an array leaf at the path ``"__metadata__"`` (safetensors' name for the metadata;
+        a `QTensor` there is stored as ``__metadata__/qvalue``...); a reserved metadata key;
         packed codes with nonzero padding bits in their last byte; 6-bit codebook codes
         of 64 or more.
 
@@ -172,7 +175,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
       ValueError: a truncated or corrupted file (bad header, tensor, or CRC-32),
         an unknown format version, a file without jaxquant's header (unless
         ``allow_plain``), a key of the target missing from the file, an extra key in
-        the file, a shape or QTensor metadata mismatch.
+        the file, a shape or QTensor metadata mismatch; an empty ``path``.
       TypeError: a dtype or leaf kind mismatch against ``target``; ``path`` not a path.
 
     Example:

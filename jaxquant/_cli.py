@@ -267,9 +267,16 @@ def _rules_last(argv: list[str]) -> list[str]:
     ``--rules`` takes every following word, so in ``quantize --rules w=int8 IN OUT`` argparse
     would read IN and OUT as rules. While IN or OUT is missing, the last words of ``--rules``
     lists that hold no ``=`` (a rule has one) are put back as positional arguments.
+    ``--rules=RULE`` is read as ``--rules RULE``: the words after it are rules too.
     """
     if not argv or argv[0] != "quantize" or "--" in argv:  # after "--": positional already
         return argv
+    split = []  # --rules=w=int8 b=none as --rules w=int8 b=none (argparse: b=none positional)
+    for word in argv:
+        option, eq, value = word.partition("=")
+        is_rules = eq and option.startswith("--r") and "--rules".startswith(option)
+        split += [option, value] if is_rules else [word]
+    argv = split
     kinds, in_rules = [], False  # per word: "option", "rule" or "positional"
     for word in argv[1:]:
         if word.startswith("-"):  # argparse takes a prefix: --rule, --rul

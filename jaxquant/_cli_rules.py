@@ -122,10 +122,9 @@ def _check_option(key: str, seen: set[str], opt: str, text: str) -> None:
 
 
 def _int(value: str, opt: str, text: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        raise ValueError(f"{opt!r} in {text!r} needs an integer, got {value!r}.") from None
+    if not re.fullmatch(r"[+-]?[0-9]+", value):  # int() also reads "1_0" and other scripts' digits
+        raise ValueError(f"{opt!r} in {text!r} needs an integer, got {value!r}.")
+    number = int(value)
     if abs(number) >= 2**31:
         raise ValueError(f"{opt!r} in {text!r}: {number} is out of range (|n| < 2**31).")
     return number
@@ -196,7 +195,7 @@ def rule_warnings(tree, rules: list[tuple[str, QuantSpec | None]]) -> list[str]:
                 records, "not float or already quantized")
             kept.append(f"rule {pattern!r} matches only tensors that are {what} "
                         f"(kept as they are)")
-        elif spec is not None and spec.axis is not None and spec.block_size is None:
+        elif spec is not None and spec.axis is not None and _block(spec) is None:
             vectors = [name for name, x in mine if _is_float(x) and not is_record(x)
                        and getattr(x, "ndim", 0) - (spec.stacked or 0) == 1]
             if vectors:
@@ -205,6 +204,15 @@ def rule_warnings(tree, rules: list[tuple[str, QuantSpec | None]]) -> list[str]:
                              f"larger than they were: exempt them with an earlier rule "
                              f"(e.g. 'ln_|norm=none') or use axis=none")
     return idle + kept + grown
+
+
+def _block(spec):
+    """The block length ``spec`` quantizes with: its own, or its scheme's (NVFP4 16, MX 32,
+    NF4 / FP4 64), ``None`` for one scale per entry of its axis."""
+    from jaxquant._schemes import resolve
+
+    return resolve(spec.dtype, spec.axis, spec.block_size, spec.scale_dtype,
+                   double_quant=spec.double_quant).block_size
 
 
 def torch_layout_warning(specs: dict, tree: dict) -> str | None:

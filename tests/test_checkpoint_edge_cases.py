@@ -206,6 +206,20 @@ def test_a_path_that_is_not_a_path_is_a_type_error_naming_it(fn, bad):
         fn(*args)
 
 
+@pytest.mark.parametrize("fn", [save_safetensors, save_orbax, load_safetensors, load_orbax])
+def test_an_empty_path_is_a_value_error_naming_it(fn, tmp_path, monkeypatch):
+    # before: save_safetensors("") wrote its temporary file next to the working directory
+    # and failed renaming it to "" (FileNotFoundError)
+    monkeypatch.chdir(tmp_path)
+    argname = "directory" if "orbax" in fn.__name__ else "path"
+    args = ("", {"w": jnp.ones(2)}) if fn.__name__.startswith("save") else ("",)
+    with pytest.raises(ValueError, match=rf"^{argname} must name a file or directory, got an "
+                                         rf"empty string\.$"):
+        fn(*args)
+    assert not any(tmp_path.iterdir()) and not any(
+        p.name.startswith(".jaxquant-") for p in tmp_path.parent.iterdir())
+
+
 def test_a_bytes_path_is_a_path(tmp_path):
     path = bytes(tmp_path / "w.safetensors")
     save_safetensors(path, {"w": jnp.arange(3.0)})

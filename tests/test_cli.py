@@ -166,6 +166,8 @@ def test_quantize_and_report_errors_are_one_line(tmp_path, capsys):
         (["quantize", src, dst, "--rules", "kernel"], 2, "must be REGEX=SPEC"),
         (["quantize", src, dst, "--rules", "w=int9"], 2, "unknown format 'int9'"),
         (["quantize", src, dst, "--rules", "w=int8:block=x"], 2, "'block=x' in 'int8:block=x' needs an integer"),
+        (["quantize", src, dst, "--rules", "w=int8:block=1_6"], 2, "'block=1_6' in 'int8:block=1_6' needs an integer"),
+        (["quantize", src, dst, "--rules", "w=int8:axis=\u0663"], 2, "needs an integer, got '\u0663'"),
         (["quantize", src, dst, "--rules", "w=int8:packed"], 2, "packed=True needs a 2-, 4- or 6-bit format"),
         (["quantize", src, dst, "--rules", "(=int8"], 2, "invalid regular expression '\\('"),
         (["quantize", src, str(tmp_path / "no" / "dir.safetensors")], 1, "cannot write"),

@@ -144,7 +144,9 @@ def test_a_per_axis_rule_that_takes_1d_tensors_warns_that_they_grow(tmp_path, ca
         "(e.g. 'ln_|norm=none') or use axis=none"]
     assert jq.load_safetensors(dst)["h.0.ln_1.weight"].nbytes > 32 * 4  # the warning is true
     for i, rules in enumerate((["ln_=none", "weight=int8:axis=0"],
-                               ["weight=int8:axis=0:block=8"], ["weight=int8:axis=none"])):
+                               ["weight=int8:axis=0:block=8"], ["weight=int8:axis=none"],
+                               # formats with blocks of their own: no scale per element
+                               ["weight=nvfp4"], ["weight=nf4"], ["weight=mxfp4"])):
         assert _cli.main(["quantize", src, str(tmp_path / f"o{i}"), "--quiet",
                           "--rules", *rules]) == 0, rules
         assert capsys.readouterr().err == "", rules

@@ -185,6 +185,8 @@ def test_plain_file_with_names_a_and_a_slash_b_is_quantized_and_reported(tmp_pat
     ["IN", "--rules", "w=int4", "OUT", "--quiet"],
     ["--quiet", "--rules", "x=int8", "--rules", "w=int4", "IN", "OUT"],
     ["--rules", "w=int4", "--", "IN", "OUT"],
+    ["--rules=w=int4", "b=none", "IN", "OUT"],  # argparse's --opt=value form, then more rules
+    ["--rul=w=int4", "IN", "OUT"],
 ])
 def test_rules_may_come_before_in_and_out(src, tmp_path, capsys, argv):
     out = str(tmp_path / "out.safetensors")

@@ -87,6 +87,23 @@ def test_state_of_another_format_or_zero_point_is_refused():
         serialization.from_state_dict(with_zp, state)
 
 
+@pytest.mark.parametrize("saved, target, held", [
+    (dict(dtype=jnp.int4, packed=True), dict(dtype=jnp.int4),
+     r"qvalue holds a PackedArray \(a state dict with keys \['data', 'meta'\]\), the target "
+     r"\['int4'\]"),
+    (dict(dtype="nf4", axis=-1, block_size=2, double_quant=True),
+     dict(dtype="nf4", axis=-1, block_size=2),
+     r"scale holds a QTensor \(a state dict with keys \['meta', 'qvalue', 'scale', "
+     r"'zero_point'\]\), the target \['float32'\]"),
+], ids=["packed-into-unpacked", "two-level-scale-into-array"])
+def test_a_record_state_where_the_target_has_an_array_is_refused(saved, target, held):
+    # before: AttributeError ('str' object has no attribute 'dtype': the meta string)
+    w = jnp.arange(8.0).reshape(2, 4)
+    data = serialization.to_bytes({"w": jq.quantize(w, **saved)})
+    with pytest.raises(ValueError, match=rf"^\./w: QTensor state: {held}\.$"):
+        serialization.from_bytes({"w": jq.quantize(w, **target)}, data)
+
+
 @pytest.mark.parametrize("saved, target, field", [
     (dict(axis=0), dict(axis=1), "axis=0, the target axis=1"),
     (dict(dtype="nf4", packed=True), dict(dtype="fp4", packed=True),

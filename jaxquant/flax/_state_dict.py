@@ -67,6 +67,17 @@ def _check_meta(target, saved: str, where: str) -> None:
                              f"metadata (or requantize).")
 
 
+def _held(v) -> str:
+    """What a child of a record's state (or of its target) holds, for an error message:
+    its arrays' dtypes, or the kind of record whose state Flax handed back as a dict
+    (a packed ``qvalue`` or a two-level scale where the target has an array)."""
+    if isinstance(v, dict):
+        kind = "PackedArray" if set(v) - {"meta"} == {"data"} else "QTensor"
+        return f"a {kind} (a state dict with keys {sorted(v)})"
+    kind = f"a {type(v).__name__} of " if isinstance(v, tuple(_FIELDS)) else ""
+    return kind + str([jnp.dtype(b.dtype).name for b in jax.tree.leaves(v)])
+
+
 def _from_state(target, state: dict):
     where = serialization.current_path() or "."
     fields = _FIELDS[type(target)]
@@ -83,8 +94,7 @@ def _from_state(target, state: dict):
         if jax.tree.structure(t) != jax.tree.structure(c) or any(
                 jnp.dtype(a.dtype) != jnp.dtype(b.dtype) for a, b in zip(want, got, strict=True)):
             raise ValueError(f"{where}: {type(target).__name__} state: {k} holds "
-                             f"{[jnp.dtype(b.dtype).name for b in got]}, the target "
-                             f"{[jnp.dtype(a.dtype).name for a in want]}.")
+                             f"{_held(c)}, the target {_held(t)}.")
         for a, b in zip(want, got, strict=True):  # with the target's metadata: a record that fits
             if tuple(a.shape) != tuple(np.shape(b)):
                 raise ValueError(f"{where}: {type(target).__name__} state: {k} has shape "
