@@ -318,3 +318,19 @@ def test_functions_given_no_nnx_module_raise_type_error():
     model = MLP(nnx.Rngs(0))
     assert nnx_unused_rules(model, [("fc1", None), ("typo", QuantConfig())]) == \
         [("typo", QuantConfig())]
+
+
+@pytest.mark.parametrize("learn_scale", [False, True])
+def test_a_none_rule_at_conversion_runs_a_qat_layer_float(learn_scale):
+    # before: the layer kept nnx_qat's fake quantization (0.17 from its float output), where
+    # linen's None rule runs it float
+    model = nnx.Sequential(nnx.Linear(8, 8, rngs=nnx.Rngs(0)), nnx.Linear(8, 4, rngs=nnx.Rngs(1)))
+    cfg = QuantConfig(weight=INT4, learn_scale=learn_scale)
+    nnx_qat(model, cfg)
+    first = model.layers[0]
+    assert float(jnp.max(jnp.abs(first(X) - (X @ first.kernel[...] + first.bias[...][None])))) > 0
+    nnx_quantize(model, [("layers/0", None), ("", cfg)])
+    assert not jq.is_qtensor(first.kernel[...]) and jq.is_qtensor(model.layers[1].kernel[...])
+    np.testing.assert_array_equal(np.asarray(first(X)),
+                                  np.asarray(X @ first.kernel[...] + first.bias[...][None]))
+    assert nnx_layers(model, [("layers/0", None), ("", cfg)])["layers/0"] is None
