@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-__all__ = ["explicit_sharding", "explicit_spec", "spec_of", "reshape_sharded", "replicated_along"]
+__all__ = ["explicit_sharding", "explicit_spec", "spec_of", "reshape_sharded", "replicated_along",
+           "sharding_with_spec"]
 
 
 def explicit_sharding(x):
@@ -48,9 +49,16 @@ def explicit_spec(v) -> tuple | None:
     return spec + (None,) * (v.ndim - len(spec))
 
 
+def sharding_with_spec(v, spec) -> jax.sharding.NamedSharding:
+    """``v``'s own sharding (its mesh) with ``spec``: a bare ``PartitionSpec`` needs
+    ``jax.set_mesh``, which arrays placed with a ``NamedSharding`` do not."""
+    return jax.typeof(v).sharding.update(spec=P(*spec))
+
+
 def replicated_along(v: jax.Array, axis: int) -> jax.Array:
     """``v`` resharded with ``axis`` whole on every device (a mesh with explicit axes)."""
     spec = explicit_spec(v)
     if spec is None or spec[axis] is None:
         return v
-    return jax.sharding.reshard(v, P(*(None if d == axis else a for d, a in enumerate(spec))))
+    want = tuple(None if d == axis else a for d, a in enumerate(spec))
+    return jax.sharding.reshard(v, sharding_with_spec(v, want))

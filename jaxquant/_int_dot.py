@@ -23,11 +23,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as P
 
 from jaxquant._barriers import int_dot_general
 from jaxquant._bits import sign_extend, split_groups, unpack_fields
-from jaxquant._explicit_sharding import explicit_spec, replicated_along
+from jaxquant._explicit_sharding import explicit_spec, replicated_along, sharding_with_spec
 from jaxquant._formats import get_format
 from jaxquant._granularity import expand
 from jaxquant._packing import PackedArray
@@ -156,14 +155,14 @@ def reshard_like(v: jax.Array, acc: jax.Array) -> jax.Array:
         return v
     want = tuple(t if n == m else None for t, n, m in zip(target, v.shape, acc.shape,
                                                           strict=True))
-    return v if want == spec else jax.sharding.reshard(v, P(*want))
+    return v if want == spec else jax.sharding.reshard(v, sharding_with_spec(v, want))
 
 
-def spec_of_axes(v: jax.Array, axes) -> P | None:
-    """The partition spec of ``v``'s ``axes`` in that order (a result laid out as them) on
-    a mesh with explicit axes, else ``None``."""
+def spec_of_axes(v: jax.Array, axes) -> jax.sharding.NamedSharding | None:
+    """The sharding of ``v``'s ``axes`` in that order (a result laid out as them) on a
+    mesh with explicit axes, else ``None``."""
     spec = explicit_spec(v)
-    return None if spec is None else P(*(spec[d] for d in axes))
+    return None if spec is None else sharding_with_spec(v, [spec[d] for d in axes])
 
 
 def _constrain(y: jax.Array, sharding) -> jax.Array:

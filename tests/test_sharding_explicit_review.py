@@ -115,3 +115,37 @@ def test_fsdp_weight_only_dot_gathers_codes_not_floats(spec):
         assert dtype in ("s8", "u8") or size <= 32 * 128, (dtype, shape)
     ref = jq.qdot_general(x, spec(w), dims)
     np.testing.assert_array_equal(np.asarray(y), np.asarray(ref))
+
+
+def _calls_without_set_mesh():
+    D = (((1,), (0,)), ((), ()))
+    block = jq.QuantSpec(axis=0, block_size=8)
+    grad = lambda **kw: jax.jit(jax.grad(  # noqa: E731
+        lambda x, w: jq.qat_dot_general(x, w, D, **kw).sum(), argnums=(0, 1)))
+    return {
+        "weight-only, per channel": lambda x, w: jax.jit(
+            lambda x, q: jq.qdot_general(x, q, D))(x, jq.quantize(w, axis=1)),
+        "weight-only, packed int4 blocks": lambda x, w: jax.jit(lambda x, q: jq.qdot_general(
+            x, q, D))(x, jq.quantize(w, dtype=jnp.int4, axis=0, block_size=8, packed=True)),
+        "int8 x int8, blocked weight": lambda x, w: jax.jit(lambda x, q: jq.qdot_general(
+            x, q, D, act_quant=jq.ActQuant()))(x, jq.quantize(w, axis=0, block_size=8)),
+        "qat, blocked weight": lambda x, w: grad(weight=block)(x, w),
+        "qat, int8 backward": lambda x, w: grad(backward="int8")(x, w),
+    }
+
+
+@pytest.mark.parametrize("name", list(_calls_without_set_mesh()))
+@pytest.mark.parametrize("w_spec", [P("d", None), P()], ids=["fsdp", "replicated"])
+def test_arrays_placed_on_an_explicit_mesh_need_no_set_mesh(name, w_spec):
+    # before: a bare PartitionSpec inside (reshard / out_sharding) raised "Using PartitionSpec
+    # when you are not under a mesh context is not allowed" where lax.dot_general works
+    mesh = host_mesh((2, 4), ("d", "m"), Explicit)
+    x = jax.device_put(_x(8, 64), NamedSharding(mesh, P("d", None)))
+    w = jax.device_put(_x(64, 32, seed=1), NamedSharding(mesh, w_spec))
+    call = _calls_without_set_mesh()[name]
+    got = call(x, w)
+    with jax.set_mesh(mesh):
+        want = call(x, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.sharding.spec == b.sharding.spec
