@@ -80,7 +80,7 @@ from jaxquant._quantize import (
     scale_values_of,
 )
 from jaxquant._rounding import positive_zero, quotient, round_to_codes, stochastic_int
-from jaxquant._scale_formats import scale_options
+from jaxquant._scale_formats import pow2_input_floor, scale_options
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
 from jaxquant._zero_points import as_zero_point, check_zero_point, zero_point_like_scale
@@ -97,6 +97,7 @@ class _Config:
     float_zero_point: bool = False  # float4 with a (zero) zero point: -0.0 codes become +0.0
     scale_kind: str = "any"  # "normal": computed float32 scales, never subnormal (`divide`)
     learned_zero_point: bool = False  # a float zero point of an integer format (LSQ+)
+    input_floor: float | None = None  # computed power-of-two scales: `pow2_input_floor`
 
 
 def fake_quant(
@@ -196,7 +197,8 @@ def fake_quant(
     float_zp = given_zero_point and not fmt.is_integer and fmt.bits < 8
     # float4 has no inf or NaN: it clips whatever `saturate` says, and so does the STE
     config = _Config(fmt, layout, bool(saturate) or fmt.always_saturates, bool(lsq_grad_scale),
-                     float_zp, "normal" if computed and options.plain else "any", learned_zp)
+                     float_zp, "normal" if computed and options.plain else "any", learned_zp,
+                     pow2_input_floor(fmt) if computed and options.pow2 else None)
     return _fake_quant_program(x, scale, zero_point, key, config, options, bool(symmetric))
 
 
@@ -226,6 +228,8 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     """(unclipped float codes, clipped float codes, rounded zero point or None, x / scale)."""
     fmt = config.fmt
     s = expand(scale, x.shape, config.layout)
+    if config.input_floor is not None:  # as `quantize` reads it (no -2**128 code)
+        x = jnp.maximum(x, config.input_floor)
     t = quotient(x.astype(jnp.float32), s, fmt, config.scale_kind)
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, t

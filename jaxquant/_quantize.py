@@ -35,7 +35,12 @@ from jaxquant._packing import PackedArray
 from jaxquant._platform_ops import platform_op
 from jaxquant._qtensor import QTensor, check_consistent
 from jaxquant._rounding import NAN_CODES, quotient, round_to_codes
-from jaxquant._scale_formats import ScaleOptions, computed_scale, scale_options
+from jaxquant._scale_formats import (
+    ScaleOptions,
+    computed_scale,
+    pow2_input_floor,
+    scale_options,
+)
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
 from jaxquant._zero_points import as_zero_point, check_zero_point, zero_point_like_scale
@@ -300,6 +305,8 @@ def scale_values_of(scale) -> jax.Array:
                                              "options"))
 def _quantize_computed(x, fmt, layout, symmetric, saturate, packed, options, key):
     stored, divisor, zero_point = computed_scale(x, fmt, layout, symmetric, options)
+    if options.pow2 and (floor := pow2_input_floor(fmt)) is not None:
+        x = jnp.maximum(x, floor)  # no code -(top + 1) at the largest scale: -2**128
     # float32 scales computed from x are never subnormal (at least 2**-126, 1, inf or NaN)
     return _record(x, stored, divisor, zero_point, fmt, layout, saturate, packed, key,
                    "normal" if options.plain else "any")

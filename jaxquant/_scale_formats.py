@@ -25,6 +25,10 @@ A computed float32 scale (``absmax / max_finite`` per group) is stored as:
   Neither raises the exponent of a group whose absmax is at least ``2**127``:
   its largest value could round to ``2**128``, which float32 cannot hold (a
   finite value would dequantize to inf); such a group keeps the floor scale.
+  Signed integer elements reach ``-(top + 1)``, and ``-(top + 1)`` times the
+  largest scale ``2**(127 - emax)`` is ``-2**128`` too: inputs are read as at
+  least ``-top * 2**(127 - emax)`` (`pow2_input_floor`), which changes only the
+  codes of such groups (every other group's values are above it).
 
   Exponents are kept in ``[-126, 127]`` (XLA:CPU flushes float32 subnormals);
   a group whose absmax is a float32 subnormal gets ``2**-126`` (read from the
@@ -65,7 +69,7 @@ from jaxquant._rounding import exponent, pow2
 from jaxquant._scales import compute_scale, group_absmax, scale_from_range
 
 __all__ = ["ScaleOptions", "scale_options", "store_scale", "pow2_group_scales", "computed_scale",
-           "DOUBLE_QUANT_BLOCK"]
+           "pow2_input_floor", "DOUBLE_QUANT_BLOCK"]
 
 ScaleRounding = Literal["floor", "ceil", "up_on_overflow"]
 DOUBLE_QUANT_BLOCK = 256
@@ -138,6 +142,15 @@ def _top(fmt: Format) -> float:
 
 def _emax(fmt: Format) -> int:
     return math.floor(math.log2(_top(fmt)))
+
+
+def pow2_input_floor(fmt: Format) -> float | None:
+    """For signed integer elements on power-of-two scales, the value inputs are read as at
+    least: ``-top * 2**(127 - emax)``, so that no code dequantizes to ``-2**128`` (``-inf``);
+    ``None`` for other formats (their codes reach ``top`` at most)."""
+    if not (fmt.is_integer and fmt.signed):
+        return None
+    return -_top(fmt) * 2.0 ** (127 - _emax(fmt))
 
 
 def _half_top_gap(fmt: Format) -> tuple[float, bool]:

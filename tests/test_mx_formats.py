@@ -106,6 +106,31 @@ def test_scale_rounding_never_clips_with_ceil():
     assert np.all(np.abs(w) / s <= 448)
 
 
+@pytest.mark.parametrize("dtype, emax", [("mxint8", 6), (jnp.int8, 6), (jnp.int4, 2),
+                                         (jnp.int2, 0)])
+@pytest.mark.parametrize("mode", ["floor", "ceil", "up_on_overflow"])
+def test_signed_integer_codes_on_the_largest_pow2_scale_stay_finite(dtype, emax, mode):
+    """Signed codes reach -(top + 1) = -2**(emax + 1); at the largest scale 2**(127 - emax)
+    that is -2**128, inf. Such a block's most negative code is -top; elsewhere -(top + 1)
+    stays (a block scaled by 2**-6: -1.999 is code -128, as OCP's two's complement)."""
+    kw = {} if dtype == "mxint8" else dict(axis=-1, block_size=32,
+                                           scale_dtype=jnp.float8_e8m0fnu)
+    top = 2 ** (emax + 1) - 1
+    big = np.float32(np.finfo(np.float32).max) * np.float32(0.999)
+    x = np.zeros((2, 32), np.float32)
+    x[0, :3] = [-big, big, -(2.0**127)]
+    x[1, :2] = [-(2.0 ** (emax + 1)) * 0.9995, 1.0]  # rounds to -(top + 1) on scale 1
+    qt = jq.quantize(jnp.asarray(x), dtype=dtype, scale_rounding=mode, **kw)
+    codes, out = np.asarray(qt.qvalue, np.int32), np.asarray(jq.dequantize(qt))
+    assert np.all(np.isfinite(out)), out[0, :3]
+    assert np.asarray(qt.scale).astype(np.float32)[0].item() == 2.0 ** (127 - emax)
+    assert codes[0, 0] == -top and out[0, 0] == -top * 2.0 ** (127 - emax)
+    if mode == "floor":  # (ceil and up_on_overflow raise that block's scale instead)
+        assert codes[1, 0] == -(top + 1)  # not in the top binade: the full range
+    fq = jq.fake_quant(jnp.asarray(x), dtype=dtype, scale_rounding=mode, **kw)
+    np.testing.assert_array_equal(np.asarray(fq), out)
+
+
 @pytest.mark.parametrize("name", [*MX, "mxint8"])
 @pytest.mark.parametrize("mode", ["floor", "ceil", "up_on_overflow"])
 def test_no_rounding_mode_turns_float32s_top_binade_into_inf(name, mode):
@@ -115,8 +140,7 @@ def test_no_rounding_mode_turns_float32s_top_binade_into_inf(name, mode):
     big = float(np.finfo(np.float32).max)
     x = np.stack([np.linspace(big / 2, big, 32), np.linspace(2.0**126, 1.99 * 2.0**126, 32)])
     x = x.astype(np.float32)
-    signs = (1.0, -1.0) if name != "mxint8" else (1.0,)  # MXINT8's -2.0 element: -2**128
-    for sign in signs:
+    for sign in (1.0, -1.0):  # MXINT8's -2.0 element at the largest scale would be -2**128
         qt = jq.quantize(jnp.asarray(sign * x), dtype=name, scale_rounding=mode)
         for out in (jq.dequantize(qt), jax.jit(jq.dequantize)(qt)):
             assert np.all(np.isfinite(np.asarray(out))), (sign, out)
