@@ -181,13 +181,14 @@ Example:
 """
 
 
-def get_format(dtype: DTypeLike, *, argname: str = "dtype") -> Format:
+def get_format(dtype: DTypeLike, *, argname: str = "dtype", also: str = "") -> Format:
     """Returns the `Format` record of a code dtype.
 
     Args:
       dtype: a dtype from `FORMATS` (``jnp.int8``, ``"int4"``, ``jnp.float8_e5m2``...)
         or a codebook name from `CODEBOOKS` (``"nf4"``...).
       argname: the argument name to cite in error messages.
+      also: more accepted names, appended to the list in the error message.
 
     Returns:
       The format's record.
@@ -206,10 +207,12 @@ def get_format(dtype: DTypeLike, *, argname: str = "dtype") -> Format:
         name = np.dtype(dtype).name
     except TypeError:
         name = None
+    if name in CODEBOOKS:  # NumPy's float6 dtypes (jnp.float6_e2m3fn) name their codebooks
+        return CODEBOOKS[name]
     if name not in FORMATS:
         raise TypeError(
             f"{argname} must be one of the quantized formats {sorted(FORMATS)} or codebooks "
-            f"{sorted(CODEBOOKS)}, got {dtype!r}."
+            f"{sorted(CODEBOOKS)}{also}, got {dtype!r}."
         )
     return FORMATS[name]
 

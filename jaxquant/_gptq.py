@@ -82,10 +82,12 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
     Args:
       w: a float kernel of shape ``(in, out)``, used as ``x @ w``.
       hessian: ``(in, in)``, the sum of ``x^T x`` over calibration inputs ``x`` of shape
-        ``(rows, in)`` (any positive multiple: only its directions matter; it is scaled
-        by a power of four before it is factored, so results do not depend on its
-        magnitude). Only its symmetric part ``(H + H^T) / 2`` is used. An input never
-        seen (a zero row of ``H``) couples to no other: its row is rounded to nearest.
+        ``(rows, in)`` (any positive multiple: it is scaled by a power of four before
+        it is factored, so a multiple by a power of four gives the same codes; another
+        multiple rounds differently, which can move a code near a tie, and through the
+        error feedback a few more). Only its symmetric part ``(H + H^T) / 2`` is used.
+        An input never seen (a zero row of ``H``) couples to no other: its row is rounded
+        to nearest.
       dtype: the code format (integer, float8 or a codebook name, as in `quantize`).
       axis: ``-1`` (or ``1``) for one scale per output channel; ``0`` (or ``-2``) with
         ``block_size`` for blocks of ``block_size`` input rows (the group size).

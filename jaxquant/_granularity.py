@@ -115,6 +115,10 @@ def layout_from_args(shape: tuple[int, ...], axis: int | None,
         block_size = check_block_size(block_size)
         if axis is None:
             raise ValueError("block_size requires axis: the axis that is split into blocks.")
+        if not shape:  # a block format's own axis=-1 (nvfp4...) on a scalar: say why
+            raise ValueError(f"blocks of {block_size} split an axis of the input; a scalar "
+                             f"(rank 0) has none: quantize it per tensor (axis=None and no "
+                             f"block_size, with a format that has no blocks of its own).")
         return Layout("block", normalize_axis(axis, len(shape)), block_size)
     if axis is None:
         return Layout("tensor")

@@ -118,7 +118,8 @@ def resolve(dtype, axis, block_size, scale_dtype, explicit: bool = False,
                          "dtype=jnp.float4_e2m1fn, axis=-1, block_size=16, "
                          "scale_dtype=jnp.float8_e4m3fn for it.")
     if scheme is None:
-        return Resolved(get_format(dtype), axis, block_size, scale_dtype)
+        return Resolved(get_format(dtype, also=f" or schemes {sorted(SCHEMES)}"), axis,
+                        block_size, scale_dtype)
     if scheme.fixed_block and block_size not in (None, scheme.block_size):
         raise ValueError(f"{name} has blocks of {scheme.block_size} by definition; got "
                          f"block_size={block_size!r} (use the element dtype "

@@ -256,6 +256,28 @@ def test_error_unknown_format(dtype):
         jq.quantize(_x(), dtype=dtype)
 
 
+def test_unknown_format_error_lists_the_schemes_dtype_also_takes():
+    with pytest.raises(TypeError, match=r"or schemes \[.*'mxint8'.*'nvfp4'\], got 'mxfp5'\.$"):
+        jq.quantize(_x(), dtype="mxfp5")
+
+
+@pytest.mark.parametrize("name", ["float6_e2m3fn", "float6_e3m2fn"])
+def test_numpy_float6_dtypes_name_their_codebooks(name):
+    # as jnp.float4_e2m1fn names its format: jnp.float6_e2m3fn was refused, its string taken
+    by_dtype = jq.quantize(_x(), dtype=getattr(ml_dtypes, name), axis=-1)
+    by_name = jq.quantize(_x(), dtype=name, axis=-1)
+    assert by_dtype.format == by_name.format == jq.CODEBOOKS[name]
+    np.testing.assert_array_equal(np.asarray(by_dtype.qvalue), np.asarray(by_name.qvalue))
+
+
+@pytest.mark.parametrize("dtype", ["nvfp4", "mxint8", jnp.int8])
+def test_a_scalar_in_blocks_says_it_has_no_axis_to_split(dtype):
+    kw = {} if isinstance(dtype, str) else dict(axis=-1, block_size=4)
+    with pytest.raises(ValueError, match=r"^blocks of \d+ split an axis of the input; a scalar "
+                                         r"\(rank 0\) has none"):
+        jq.quantize(jnp.float32(1.0), dtype=dtype, **kw)
+
+
 def test_error_mismatched_zero_point_dtype():
     with pytest.raises(TypeError, match="zero_point must have the code dtype int8, got uint8; pass dtype=jnp.uint8"):
         jq.quantize(_x(), jnp.float32(0.1), jnp.uint8(3))
