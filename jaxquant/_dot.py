@@ -134,9 +134,10 @@ def promote_dtype(*args, dtype: DTypeLike | None = None, inexact: bool = True):
             raise ValueError(f"dtype must be inexact (a float or complex dtype) with "
                              f"inexact=True, got {dtype}.")
     else:
-        dts = [x.dtype for x in items if x is not None]
+        # weakly typed arrays (Python scalars) give way, as in Flax's `jnp.result_type`
+        operands = [x.dtype if _is_q(x) else x for x in items if x is not None]
         with jax.numpy_dtype_promotion("standard"):
-            dtype = functools.reduce(jnp.promote_types, dts, np.dtype(dts[0] if dts else "f4"))
+            dtype = jnp.result_type(*operands) if operands else np.dtype("f4")
             if inexact and not jnp.issubdtype(dtype, jnp.inexact):
                 dtype = jnp.promote_types(jnp.float32, dtype)
     out = [x if x is None or _is_q(x) else jnp.asarray(x, dtype) for x in items]

@@ -256,7 +256,10 @@ def test_promote_dtype_is_flax_promote_dtype_for_arrays():
              ((jnp.ones(2, jnp.bfloat16), jnp.ones(2, jnp.int8)), {}),
              ((jnp.ones(2, jnp.int32),), dict(inexact=False)),
              ((jnp.ones(2, jnp.float16), np.ones(2, np.float32)), {}),
-             ((jnp.ones(2), None), dict(dtype=jnp.bfloat16))]
+             ((jnp.ones(2), None), dict(dtype=jnp.bfloat16)),
+             # weakly typed scalars give way (they made bfloat16 operands float32)
+             ((1.0, jnp.ones(2, jnp.bfloat16)), {}), ((jnp.asarray(1.0), jnp.ones(2, jnp.bfloat16)), {}),
+             ((jnp.ones(2, jnp.bfloat16), 2), {}), ((jnp.ones(2, jnp.int8), 1), {})]
     for args, kw in cases:
         with jax.numpy_dtype_promotion("standard"):  # as jq.promote_dtype promotes
             want = linen.dtypes.promote_dtype(*args, **kw)
