@@ -159,9 +159,15 @@ def check_record(p: PackedArray) -> None:
     if data_dtype is None or np.dtype(data_dtype) != np.uint8:
         raise TypeError(f"PackedArray: data must be a uint8 array of packed bytes, got "
                         f"{data_dtype or type(p.data).__name__}.")
-    if not all(isinstance(d, int | np.integer) and d >= 0 for d in p.shape) or \
-            isinstance(p.axis, bool) or not isinstance(p.axis, int | np.integer):
-        raise TypeError(f"PackedArray: shape must be non-negative ints and axis an int; got "
+    def concrete(d):
+        return isinstance(d, int | np.integer) and d >= 0
+
+    # `jax.export`'s symbolic dimensions (a batch of any size) may stand for unpacked axes
+    if isinstance(p.axis, bool) or not isinstance(p.axis, int | np.integer) \
+            or not all(concrete(d) or jax.export.is_symbolic_dim(d) for d in p.shape) \
+            or (0 <= p.axis < len(p.shape) and not concrete(p.shape[p.axis])):
+        raise TypeError(f"PackedArray: shape must be non-negative ints (symbolic dimensions "
+                        f"allowed but along the packed axis) and axis an int; got "
                         f"shape={p.shape!r}, axis={p.axis!r}.")
     check_packed(p, "PackedArray data")
 

@@ -192,7 +192,8 @@ def quotient(x: jax.Array, scale: jax.Array, fmt: Format, scale_kind: str = "any
     `divide`."""
     if fmt.is_codebook and fmt.ties == "down":
         c = jnp.where(scale > _F32(2.0**100), _F32(2.0**-64), _F32(1))
-        return (x * c) * divide(jnp.ones((), jnp.float32), scale * c)
+        d = scale * c  # the dividend shaped (and, on explicit mesh axes, sharded) as it
+        return (x * c) * divide(jnp.ones_like(d), d)
     return divide(x, scale, scale_kind)
 
 

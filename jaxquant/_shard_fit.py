@@ -53,8 +53,8 @@ def check_shards_fit(x, layout: Layout, pack_group: int | None, *, pack_axis: in
             continue
         names = names if isinstance(names, tuple) else (names,)
         ways = math.prod(sizes[n] for n in names)
-        if x.shape[axis] % ways:
-            continue  # uneven shards: JAX's own checks apply
+        if ways == 1 or x.shape[axis] % ways:
+            continue  # one shard: nothing to straddle; uneven shards: JAX's own checks apply
         per = x.shape[axis] // ways
         needs = []
         if layout.kind == "block" and layout.axis == axis:

@@ -27,6 +27,10 @@ CASES = {
         x, jq.quantize(_W, dtype=jnp.int4, axis=0, block_size=32, packed=True), DN),
     "int8 x int8 dot": lambda x: jq.QDotGeneral(act_quant=jq.ActQuant())(
         x, jq.quantize(_W, axis=1), DN),
+    # packed along the concrete axis, the batch axis symbolic (a PackedArray refused it)
+    "quantize packed int4": lambda x: jq.quantize(x, dtype=jnp.int4, axis=0,
+                                                  packed=True).qvalue.data,
+    "pack": lambda x: jq.pack(jq.quantize(x, dtype=jnp.int2, axis=1)).qvalue.data,
 }
 
 
@@ -80,6 +84,14 @@ def test_serialized_export_takes_and_returns_qtensors(name):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(np.asarray(a).reshape(-1).view(np.uint8),
                                       np.asarray(b).reshape(-1).view(np.uint8))
+
+
+def test_a_symbolic_packed_axis_is_a_type_error_naming_it():
+    (b,) = jax.export.symbolic_shape("b")
+    with pytest.raises(TypeError, match=r"symbolic dimensions allowed but along the packed "
+                                        r"axis\) and axis an int; got shape=\(64, b\), axis=1"):
+        jax.export.export(jax.jit(lambda x: jq.quantize(x, dtype=jnp.int4, axis=0, packed=True)))(
+            jax.ShapeDtypeStruct((64, b), jnp.float32))
 
 
 def test_a_packed_array_built_with_numpy_ints_serializes():

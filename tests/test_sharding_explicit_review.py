@@ -149,3 +149,37 @@ def test_arrays_placed_on_an_explicit_mesh_need_no_set_mesh(name, w_spec):
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert a.sharding.spec == b.sharding.spec
+
+
+@pytest.mark.parametrize("length, kw", [
+    (10, dict(dtype=jnp.int4, axis=1, block_size=4)),  # a partial last block
+    (10, dict(dtype=jnp.int4, axis=1, block_size=10)),  # one whole block
+    (10, dict(dtype="mxfp4")), (40, dict(dtype="nvfp4")), (10, dict(dtype="nf4", block_size=16)),
+    (7, dict(dtype=jnp.int4, axis=0, packed=True)),  # an odd length packed
+], ids=["partial-block", "one-block", "mxfp4", "nvfp4", "nf4", "packed-odd"])
+def test_a_mesh_axis_of_size_one_splits_nothing(length, kw):
+    # before: "x is sharded 1 ways ... one would straddle two devices" (there is one
+    # device along it), or JAX's DuplicateSpecError for a single block
+    mesh = host_mesh((1, 8), ("one", "m"), Explicit)
+    v = _x(8, length)
+    x = jax.device_put(v, NamedSharding(mesh, P("m", "one")))
+    want = jq.dequantize(jq.quantize(v, **kw))
+    for fn in (lambda x: jq.quantize(x, **kw), jax.jit(lambda x: jq.quantize(x, **kw))):
+        np.testing.assert_array_equal(np.asarray(jq.dequantize(fn(x))), np.asarray(want))
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="nf4", block_size=16), dict(dtype="fp4", axis=None),
+                                dict(dtype="nf4", block_size=16, double_quant=True)],
+                         ids=["nf4", "fp4-per-tensor", "nf4-double-quant"])
+def test_bitsandbytes_codebooks_under_set_mesh(kw):
+    # before: the reciprocal of the scale was 1 (unsharded) / scale (sharded): a select of
+    # operands sharded unlike (ShardingTypeError) inside jax.set_mesh
+    mesh = host_mesh((8,), ("x",), Explicit)
+    v = _x(64, 128)
+    x = jax.device_put(v, NamedSharding(mesh, P("x", None)))
+    want = np.asarray(jq.dequantize(jq.quantize(v, **kw)))
+    with jax.set_mesh(mesh):
+        got = jq.quantize(x, **kw)
+        fq = jq.fake_quant(x, **kw)
+    np.testing.assert_array_equal(np.asarray(jq.dequantize(got)), want)
+    np.testing.assert_array_equal(np.asarray(fq), want)
