@@ -61,7 +61,8 @@ def _check_rules(rules: Rules):
         return rules
     if isinstance(rules, jax.Array):  # jax.jit(quantize_tree)(tree, spec) traced the spec
         raise TypeError("rules is a traced value: rules are static; close over them or pass "
-                        "them with jax.jit(quantize_tree, static_argnames='rules').")
+                        "them with jax.jit(quantize_tree, static_argnames='rules'), as a tuple "
+                        "of pairs (a static argument must be hashable).")
     if isinstance(rules, tuple | list) and len(rules) == 2 and isinstance(rules[0], str) \
             and (rules[1] is None or isinstance(rules[1], QuantSpec)):
         raise TypeError(f"rules must be a sequence of (pattern, QuantSpec | None) pairs, got "
@@ -75,6 +76,9 @@ def _check_rules(rules: Rules):
     if inspect.isgenerator(rules) and inspect.getgeneratorstate(rules) == inspect.GEN_CLOSED:
         raise ValueError("rules is a generator that an earlier call consumed (it yields no "
                          "rules now); pass a list of (pattern, QuantSpec | None) pairs instead.")
+    # zip(...), map(...), iter([...]): consumed once, and (unlike a generator) with no
+    # state that tells a consumed one from a fresh empty one
+    single_pass = iter(rules) is rules and not inspect.isgenerator(rules)
     checked = []
     for i, rule in enumerate(rules):
         if not (isinstance(rule, tuple | list) and len(rule) == 2 and isinstance(rule[0], str)
@@ -86,6 +90,10 @@ def _check_rules(rules: Rules):
         except re.error as e:
             raise ValueError(f"rules[{i}]: pattern {rule[0]!r} is not a valid regular "
                              f"expression: {e}.") from e
+    if single_pass and not checked:  # an empty one is almost surely one used before
+        raise ValueError(f"rules is an iterator ({type(rules).__name__}) that yields no rules, "
+                         f"likely consumed by an earlier call; pass a list of (pattern, "
+                         f"QuantSpec | None) pairs instead.")
     return checked
 
 

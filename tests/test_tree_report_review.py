@@ -123,6 +123,20 @@ def test_a_generator_of_rules_consumed_by_an_earlier_call_is_refused():
     assert jq.quantize_tree(tree, fresh)["w"] is tree["w"]
 
 
+@pytest.mark.parametrize("make", [
+    lambda r: zip([p for p, _ in r], [s for _, s in r], strict=True),  # patterns, specs
+    lambda r: iter(list(r)), lambda r: map(tuple, r)], ids=["zip", "iter", "map"])
+def test_a_one_shot_iterator_of_rules_consumed_by_an_earlier_call_is_refused(make):
+    # before: the second call saw no rules and kept every leaf as it was, silently
+    tree = {"w": _f32(4, 8), "b": _f32(8)}
+    rules = make([("w", jq.QuantSpec(dtype=jnp.int4)), ("kernal", None)])
+    assert jq.unused_rules(tree, rules) == [("kernal", None)]
+    for fn in (jq.quantize_tree, jq.match_rules, jq.unused_rules):
+        with pytest.raises(ValueError, match=r"^rules is an iterator \(\w+\) that yields no "
+                                             r"rules, likely consumed by an earlier call"):
+            fn(tree, rules)
+
+
 def test_rules_in_a_set_are_refused():
     """Bug: a set of rules was taken in its hash order (string hashes vary between runs),
     so which rule matched first, and so each leaf's format, changed from run to run."""
