@@ -46,7 +46,9 @@ def leaf_nbytes(leaf) -> int:
     if is_record(leaf):
         return leaf.nbytes
     dtype = leaf_dtype(leaf)
-    if dtype == np.dtype(object):  # np.asarray(object()): the 8 bytes of a pointer, not of the leaf
+    # np.asarray(object()): the 8 bytes of a pointer; of "hello": 20 bytes of UCS-4
+    if dtype == np.dtype(object) or isinstance(leaf, str | bytes) \
+            or getattr(dtype, "kind", "") in ("S", "U"):
         raise TypeError(f"a leaf of type {type(leaf).__name__} has no array bytes: {leaf!r:.80}")
     return math.prod(np.shape(leaf)) * dtype.itemsize
 
