@@ -6,7 +6,10 @@ codes alone (``jax.tree.map(jnp.transpose, qt)``) keeps the quantized ``axis`` w
 it was: on a square weight that dequantizes silently wrong. `transpose` moves the
 axis, the block scales (two-level ones too) and the tile lengths with the codes, and
 packs the codes again along the last axis, so that ``transpose(quantize(w, ...))``
-is ``quantize(w.T, ...)`` with the axes renamed, bit for bit.
+is ``quantize(w.T, ...)`` with the axes renamed, bit for bit; with ``double_quant``
+over more than one group of 256 block scales, the second-level groups keep the tiles
+they were made with (``quantize(w.T)`` would tile the transposed scale grid anew), so
+there the values are ``dequantize(q).T`` exactly but not always the codes.
 """
 
 from __future__ import annotations
