@@ -62,6 +62,7 @@ from jaxquant._args import as_array, as_float_input, check_float_scale
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import code_values
 from jaxquant._cpu_division import scale_factors
+from jaxquant._explicit_sharding import explicit_spec, sharding_with_spec
 from jaxquant._formats import Format
 from jaxquant._granularity import (
     Layout,
@@ -295,7 +296,7 @@ def _fake_quant_fwd(x, scale, zero_point, noise, config):
 
 def _fake_quant_bwd(config: _Config, residuals, g):
     x, scale, zero_point, noise = residuals
-    fmt = config.fmt
+    given_zero_point, fmt = zero_point, config.fmt
     if config.learned_zero_point and config.layout.kind == "tensor":
         # PyTorch's per-tensor backward reads the zero point as int(clamp(z + 0.5)), not as
         # its forward's nearbyint(z): they differ for negative z and for ties (2.5 -> 3)
@@ -325,8 +326,20 @@ def _fake_quant_bwd(config: _Config, residuals, g):
     dzp = None
     if zero_point is not None:  # sum(-g) * s per group: no subnormal g * s (see `dequantize`)
         s, f = scale_factors(scale)
-        dzp = (to_scale(jnp.where(inside | held, 0.0, -g)) * s) * f
-    return dx, to_scale(dscale), dzp, None
+        dzp = _typed_like((to_scale(jnp.where(inside | held, 0.0, -g)) * s) * f,
+                          given_zero_point)
+    return dx, _typed_like(to_scale(dscale), scale), dzp, None
+
+
+def _typed_like(ct: jax.Array, primal: jax.Array) -> jax.Array:
+    """A cotangent on its primal's sharding where that is part of the type (explicit mesh
+    axes): sums over groups keep ``x``'s sharding, and a custom VJP must return the
+    primal's type (a replicated learned scale of a kernel sharded along its channels)."""
+    have, want = explicit_spec(ct), explicit_spec(primal)
+    if have is None or have == want:
+        return ct
+    return jax.sharding.reshard(ct, jax.typeof(primal).sharding if want is not None
+                                else sharding_with_spec(ct, (None,) * ct.ndim))
 
 
 _fake_quant.defvjp(_fake_quant_fwd, _fake_quant_bwd)

@@ -183,3 +183,25 @@ def test_bitsandbytes_codebooks_under_set_mesh(kw):
         fq = jq.fake_quant(x, **kw)
     np.testing.assert_array_equal(np.asarray(jq.dequantize(got)), want)
     np.testing.assert_array_equal(np.asarray(fq), want)
+
+
+@pytest.mark.parametrize("scale_spec", [P(), P("m")], ids=["replicated", "channel-sharded"])
+def test_lsq_gradients_of_a_scale_sharded_unlike_its_kernel(scale_spec):
+    # before: the scale's (and zero point's) gradient kept the kernel's sharding, which a
+    # custom VJP must not return for a replicated scale ("bwd rule must produce an output
+    # with the same type"): a linen learn_scale model with a replicated "quant" collection
+    mesh = host_mesh((2, 4), ("d", "m"), Explicit)
+    w0, s0, z0 = _x(32, 64), jnp.full((64,), 0.05), jnp.full((64,), 7.0)
+
+    def loss(w, s, z):
+        return jnp.sum(jnp.sin(jq.fake_quant(w, s, z, dtype=jnp.uint4, axis=1)))
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    want = grad(w0, s0, z0)
+    with jax.set_mesh(mesh):
+        w = jax.device_put(w0, NamedSharding(mesh, P(None, "m")))
+        s, z = (jax.device_put(v, NamedSharding(mesh, scale_spec)) for v in (s0, z0))
+        got = grad(w, s, z)
+    assert _spec(got[1]) == _spec(s) and _spec(got[2]) == _spec(z)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
