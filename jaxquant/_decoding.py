@@ -238,7 +238,7 @@ def sharding_of(t, where: str = "", key: str = ""):
     concrete = jax.sharding.get_mesh()
     if concrete.empty or concrete.abstract_mesh != mesh:
         raise ValueError(f"{where}: {key!r}: the target's sharding is on an abstract mesh "
-                         f"{mesh} (no devices; jax.eval_shape gives those on explicit mesh "
-                         f"axes): load under `with jax.set_mesh(mesh):` with a concrete mesh "
-                         f"of that shape and axes, got {concrete}.")
+                         f"{mesh} (no devices; jax.eval_shape gives those, for instance, "
+                         f"on explicit mesh axes): load under `with jax.set_mesh(mesh):` "
+                         f"with a concrete mesh of that shape and axes, got {concrete}.")
     return sharding.update(mesh=concrete)
