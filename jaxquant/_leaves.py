@@ -46,9 +46,7 @@ def leaf_nbytes(leaf) -> int:
     if is_record(leaf):
         return leaf.nbytes
     dtype = leaf_dtype(leaf)
-    # np.asarray(object()): the 8 bytes of a pointer; of "hello": 20 bytes of UCS-4
-    if dtype == np.dtype(object) or isinstance(leaf, str | bytes) \
-            or getattr(dtype, "kind", "") in ("S", "U"):
+    if dtype == np.dtype(object):  # np.asarray(object()): the 8 bytes of a pointer, not of the leaf
         raise TypeError(f"a leaf of type {type(leaf).__name__} has no array bytes: {leaf!r:.80}")
     return math.prod(np.shape(leaf)) * dtype.itemsize
 
