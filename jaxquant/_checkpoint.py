@@ -62,8 +62,7 @@ def _path(path, argname: str = "path") -> str:
     """``path`` as a ``str`` (a ``bytes`` path decoded), or a TypeError naming ``argname``."""
     if not isinstance(path, str | bytes | os.PathLike):
         raise TypeError(f"{argname} must be a str or os.PathLike, got {type(path).__name__}.")
-    path = os.fsdecode(os.fspath(path))
-    if not path:  # abspath("") is the working directory: a file there with no name
+    if not (path := os.fsdecode(os.fspath(path))):  # abspath(""): the working directory
         raise ValueError(f"{argname} must name a file or directory, got an empty string.")
     return path
 

@@ -267,9 +267,8 @@ def _on_groups_of(g, x: jax.Array, layout: Layout):
     else:  # whole blocks (tiles) per shard, else that axis of g whole on every device
         ways = [math.prod(sizes[a] for a in (n if isinstance(n, tuple) else (n,)))
                 if n is not None else 1 for n in spec]
-        # (a mesh axis of size 1 splits nothing: dropped, as a reshape of x may move it)
-        want = tuple(n if c % w == 0 and w > 1 else None for n, c, w in zip(spec, g.shape, ways,
-                                                                             strict=True))
+        want = tuple(n if c % w == 0 and w > 1 else None  # a size-1 mesh axis splits nothing
+                     for n, c, w in zip(spec, g.shape, ways, strict=True))
     current = tuple(have.spec) + (None,) * (g.ndim - len(have.spec))
     if current == want:
         return g

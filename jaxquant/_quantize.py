@@ -35,12 +35,7 @@ from jaxquant._packing import PackedArray
 from jaxquant._platform_ops import platform_op
 from jaxquant._qtensor import QTensor, check_consistent
 from jaxquant._rounding import NAN_CODES, quotient, round_to_codes
-from jaxquant._scale_formats import (
-    ScaleOptions,
-    computed_scale,
-    pow2_input_floor,
-    scale_options,
-)
+from jaxquant._scale_formats import ScaleOptions, computed_scale, pow2_input_floor, scale_options
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
 from jaxquant._zero_points import as_zero_point, check_zero_point, zero_point_like_scale

@@ -309,9 +309,8 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
     Each kernel is quantized with its rule's ``weight`` spec (packed int4
     allowed), with the learned scale of `nnx_qat` if there is one, else with
     computed scales (what fake quantization trained with); a rule with ``weight=None``
-    and an `ActSpec` fake-quantizes the layer's input, as in training, and a ``None``
-    rule runs the layer float (an earlier `nnx_qat`'s fake quantization removed, as a
-    linen ``None`` rule does). ``Linear``,
+    and an `ActSpec` fake-quantizes the layer's input, as in training; a ``None`` rule
+    runs the layer float (as in linen). ``Linear``,
     ``LinearGeneral``, ``Einsum`` and ``Conv`` then run weight-only (``act=None``)
     or int8 x int8 -> int32 (an int8 `ActSpec`); ``Embed`` dequantizes its table
     inside the jitted step, ``ConvTranspose`` its kernel (its input fake-quantized
@@ -351,7 +350,7 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
         p: (cfg, getattr(layer, kernel_name(layer))[...]) for p, layer, cfg in layers})
     planned, kernels = [], {}  # every kernel first: an error leaves the model as it was
     for path, layer, cfg in layers:
-        if cfg is None or cfg.weight is None:  # float, or (an ActSpec) `nnx_qat`'s, below
+        if cfg is None or cfg.weight is None:  # float, or an ActSpec's `nnx_qat` (below)
             continue
         if isinstance(layer, nnx.Conv | nnx.ConvTranspose) and layer.mask is not None:
             raise ValueError(f"the {type(layer).__name__} at {path!r} has a mask and cannot "
@@ -397,10 +396,10 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
             layer.dot_general = InferDot(act, where)
             if isinstance(layer, nnx.LinearGeneral):
                 layer.dot_general_cls = None
-    for _, layer, cfg in layers:
-        if cfg is not None and cfg.weight is None and cfg.act is not None:
-            nnx_qat(layer, cfg)  # act-only rules: the input fake-quantized, as in nnx_qat
+    for _, layer, cfg in layers:  # act-only rules: the input fake-quantized, as in nnx_qat;
+        if cfg is not None and cfg.weight is None and cfg.act is not None:  # None: float
+            nnx_qat(layer, cfg)
         elif (cfg is None or cfg.weight is None) \
                 and not is_qtensor(getattr(layer, kernel_name(layer))[...]):
-            _unwire(layer)  # a rule that keeps it float: as linen runs it, not fake-quantized
+            _unwire(layer)
     return model
