@@ -93,6 +93,11 @@ def refuse_numpy_only(dtype, argname: str) -> None:
                         f"float32 first.")
 
 
+def is_array_value(value) -> bool:
+    """Whether ``value`` is an array or a scalar value (a tracer included), not a dtype."""
+    return isinstance(value, (jax.Array, np.ndarray, np.generic))
+
+
 def as_dtype(value, argname: str) -> np.dtype:
     """``value`` as a NumPy dtype.
 
@@ -101,8 +106,8 @@ def as_dtype(value, argname: str) -> np.dtype:
         read it as float64), naming ``argname``.
     """
     try:
-        if value is None or isinstance(value, bool):
-            raise TypeError
+        if value is None or isinstance(value, bool) or is_array_value(value):
+            raise TypeError  # np.dtype would read an array's .dtype, as jnp no longer does
         return np.dtype(value)
     except TypeError:
         raise TypeError(f"{argname} must be a dtype, got {value!r}.") from None

@@ -154,7 +154,7 @@ def load_safetensors(path: str | os.PathLike, target: Any = None, *,
         `QTensor` codes packed or not as they were saved. Otherwise a tree whose
         leaf paths must be exactly the file's: arrays, `jax.ShapeDtypeStruct`
         (their ``sharding`` is used), `QTensor` or `PackedArray` leaves (concrete
-        or abstract, as ``jax.eval_shape(lambda: jq.quantize_tree(...))`` makes);
+        or abstract, as `quantize_tree` of placeholders makes);
         dtypes, shapes and QTensor metadata are checked against it, loaded
         arrays are placed with `jax.device_put` on its shardings, and its
         QTensors say whether codes come back packed.

@@ -25,7 +25,7 @@ import ml_dtypes
 import numpy as np
 from jax.typing import DTypeLike
 
-from jaxquant._args import as_dtype
+from jaxquant._args import as_dtype, is_array_value
 
 __all__ = ["Format", "FORMATS", "CODEBOOKS", "get_format", "value_dtype"]
 
@@ -204,7 +204,7 @@ def get_format(dtype: DTypeLike, *, argname: str = "dtype", also: str = "") -> F
     if isinstance(dtype, str) and dtype in CODEBOOKS:
         return CODEBOOKS[dtype]
     try:
-        name = np.dtype(dtype).name
+        name = None if is_array_value(dtype) else np.dtype(dtype).name
     except TypeError:
         name = None
     if name in CODEBOOKS:  # NumPy's float6 dtypes (jnp.float6_e2m3fn) name their codebooks

@@ -11,8 +11,8 @@ from jaxquant._args import known_dtype
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, check_consistent
 
-__all__ = ["is_record", "is_abstract", "leaf_dtype", "leaf_nbytes", "stacked_axes",
-           "layer_by_layer"]
+__all__ = ["is_record", "is_abstract", "eval_shape_sharded", "leaf_dtype", "leaf_nbytes",
+           "stacked_axes", "layer_by_layer"]
 
 
 def is_record(x) -> bool:
@@ -37,6 +37,30 @@ def is_abstract(x) -> bool:
       (True, False)
     """
     return any(isinstance(a, jax.ShapeDtypeStruct) for a in jax.tree.leaves(x))
+
+
+def eval_shape_sharded(fn, *args):
+    """`jax.eval_shape` that keeps placeholders' shardings on any mesh.
+
+    `jax.eval_shape` gives output shardings on meshes of Explicit axes only; on Auto axes
+    (``jax.sharding.Mesh``'s default) a sharded placeholder's outputs would come back with
+    none, and a checkpoint loaded into them would land on one device. There the shardings
+    are those XLA gives the compiled ``fn`` (as it would concrete arrays).
+
+    Example:
+      >>> import jax.numpy as jnp
+      >>> eval_shape_sharded(jnp.sin, jax.ShapeDtypeStruct((2,), jnp.float32)).shape
+      (2,)
+    """
+    out = jax.eval_shape(fn, *args)
+    given = [getattr(a, "sharding", None) for a in jax.tree.leaves(args)]
+    if all(s is None for s in given) or all(o.sharding is not None
+                                            for o in jax.tree.leaves(out)):
+        return out
+    shardings = jax.jit(fn).lower(*args).compile().output_shardings
+    return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s,
+                                                          weak_type=o.weak_type),
+                        out, shardings)
 
 
 def leaf_nbytes(leaf) -> int:

@@ -18,7 +18,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxquant._leaves import is_abstract, is_record, leaf_dtype, leaf_nbytes, stacked_axes
+from jaxquant._leaves import (
+    eval_shape_sharded,
+    is_abstract,
+    is_record,
+    leaf_dtype,
+    leaf_nbytes,
+    stacked_axes,
+)
 from jaxquant._progress import progress_bar
 from jaxquant._qtensor import is_qtensor
 from jaxquant._quantize import dequantize
@@ -87,9 +94,9 @@ def _check_rules(rules: Rules):
                             f"got {rule!r}.")
         try:
             checked.append((re.compile(rule[0]), rule[1]))
-        except re.error as e:
+        except (re.error, OverflowError, RecursionError) as e:  # a{99999999999}: Overflow
             raise ValueError(f"rules[{i}]: pattern {rule[0]!r} is not a valid regular "
-                             f"expression: {e}.") from e
+                             f"expression: {e}.") from None
     if single_pass and not checked:  # an empty one is almost surely one used before
         raise ValueError(f"rules is an iterator ({type(rules).__name__}) that yields no rules, "
                          f"likely consumed by an earlier call; pass a list of (pattern, "
@@ -117,8 +124,9 @@ def _ndim(leaf) -> int:
 def _select(path: str, leaf, rules) -> tuple[QuantSpec | None, int | None]:
     """(spec or None, index of the rule that matched or None)."""
     if rules is None or isinstance(rules, QuantSpec):
-        ok = _is_float(leaf) and _ndim(leaf) >= 2
-        return ((rules or QuantSpec()) if ok else None), None
+        spec = rules or QuantSpec()  # matrices: ndim >= 2 within one layer of a stacked spec
+        ok = _is_float(leaf) and _ndim(leaf) - spec.stacked >= 2
+        return (spec if ok else None), None
     for i, (pattern, spec) in enumerate(rules):
         if pattern.search(path):
             return (spec if _is_float(leaf) else None), i
@@ -193,7 +201,8 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
         may be `jax.ShapeDtypeStruct` placeholders, which give abstract `QTensor`
         leaves (as under `jax.eval_shape`, shardings included).
       rules: ``None``: every floating leaf with ``ndim >= 2`` gets
-        ``QuantSpec()``; a `QuantSpec`: the same selection with that spec; or a
+        ``QuantSpec()``; a `QuantSpec`: the same selection with that spec (with
+        ``stacked=n``, ``ndim >= 2`` within one layer: stacked biases are kept); or a
         sequence of ``(pattern, QuantSpec | None)``: the first pattern that
         `re.search` finds in the leaf's ``/``-joined path wins, ``None`` keeps
         the leaf, unmatched leaves are kept. Non-float leaves (and
@@ -238,7 +247,7 @@ def quantize_tree(tree: Any, rules: Rules = None, *, progress: bool = False) -> 
                 if not hasattr(leaf, "shape"):  # a Python float: float32, as under jit
                     leaf = jnp.asarray(leaf)
                 try:  # placeholders (ShapeDtypeStruct): an abstract QTensor, shardings kept
-                    leaf = jax.eval_shape(spec, leaf) if is_abstract(leaf) else spec(leaf)
+                    leaf = eval_shape_sharded(spec, leaf) if is_abstract(leaf) else spec(leaf)
                 except (TypeError, ValueError) as e:  # name the leaf the rule failed on
                     raise type(e)(f"leaf {path_str(path)!r} ({leaf_dtype(leaf).name}"
                                   f"{list(leaf.shape)}): {e}") from e
@@ -281,7 +290,7 @@ def dequantize_tree(tree: Any) -> Any:
         f = dequantize
         for _ in range(stacked_axes(leaf, f"tree leaf {path_str(path)!r}")):
             f = jax.vmap(f)
-        return jax.eval_shape(f, leaf) if is_abstract(leaf) else f(leaf)
+        return eval_shape_sharded(f, leaf) if is_abstract(leaf) else f(leaf)
 
     return jax.tree_util.tree_map_with_path(restore, tree, is_leaf=is_qtensor)
 

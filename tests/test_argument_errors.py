@@ -65,6 +65,12 @@ def test_non_arrays_are_type_errors_naming_the_argument(call, argname):
     (lambda: jq.promote_dtype(X, dtype="foo"), "dtype"),
     (lambda: jq.unpack_bits(jnp.zeros(2, jnp.uint8), "nf4", 3), "dtype"),  # a codebook name
     (lambda: jq.pack_bits(jnp.ones(3)), "codes"),  # said "dtype must be one of ..."
+    # an array is no dtype (np.dtype would read its .dtype; jnp refuses it too)
+    (lambda: jq.quantize(X, dtype=jnp.array(3, jnp.int8)), "dtype"),
+    (lambda: jq.dequantize(QW, jnp.array(1.0, jnp.float16)), "dtype"),
+    (lambda: jax.jit(lambda d: jq.QTensor(QW.qvalue, QW.scale, axis=1, dtype=d))(
+        jnp.ones((), jnp.bfloat16)), "dtype"),
+    (lambda: jq.promote_dtype(X, dtype=np.float32(1)), "dtype"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_dtypes_are_type_errors_naming_the_argument(call, argname):
     with pytest.raises(TypeError, match=rf"^{argname}\b"):

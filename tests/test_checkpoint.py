@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import safetensors
 import safetensors.numpy
-from host_mesh import host_mesh
+from host_mesh import cpu_normal, host_mesh
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -541,6 +541,29 @@ def test_abstract_sharded_target_keeps_shardings(path):
     codes = load_safetensors(path, target)["params"]["layers_0"]["mlp"]["kernel"].qvalue
     assert codes.dtype == jnp.int4 and codes.sharding == NamedSharding(mesh, P("data"))
     assert _bits(codes) == _bits(jq.unpack(q["params"]["layers_0"]["mlp"]["kernel"]).qvalue)
+
+
+@pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, block_size=8),
+                                  jq.QuantSpec(dtype="nvfp4"), jq.QuantSpec(stacked=1)],
+                         ids=["per-channel", "int4-blocks", "nvfp4", "stacked"])
+def test_placeholders_on_auto_mesh_keep_shardings(path, spec):
+    # jax.eval_shape gives no output shardings on Auto axes; quantize_tree of placeholders must
+    # still give those of the concrete tree, or the load lands on one device.
+    mesh = host_mesh((2, 4), ("data", "model"), jax.sharding.AxisType.Auto)
+    sharding = NamedSharding(mesh, P(None, "data", "model"))
+    x = jax.device_put(cpu_normal(2, 16, 64), sharding)
+    q = jq.quantize_tree({"w": x}, spec)
+    target = jq.quantize_tree({"w": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)},
+                              spec)
+    concrete, abstract = jax.tree.leaves(q), jax.tree.leaves(target)
+    assert [a.sharding for a in abstract] == [a.sharding for a in concrete]
+    assert target["w"].qvalue.sharding.spec == P(None, "data", "model")
+    save_safetensors(path, q)
+    back = load_safetensors(path, target)
+    assert_identical(q, back)
+    assert [a.sharding for a in jax.tree.leaves(back)] == [a.sharding for a in concrete]
+    floats = jq.dequantize_tree(target)["w"]
+    assert floats.sharding == jq.dequantize_tree(q)["w"].sharding
 
 
 # --- saving errors ----------------------------------------------------------------------

@@ -121,6 +121,7 @@ def test_single_config_selects_every_layer(zoo):
     ([("a", "int8")], TypeError, r"rules\[0\] must be a \(pattern: str, QuantConfig"),
     ("Dense", TypeError, "rules must be a QuantConfig or a sequence"),
     ([("(", QuantConfig())], ValueError, r"rules\[0\] has an invalid pattern '\('"),
+    ([("w{99999999999}", QuantConfig())], ValueError, r"rules\[0\] has an invalid pattern"),
 ])
 def test_bad_rules(rules, exc, match):
     with pytest.raises(exc, match=match):

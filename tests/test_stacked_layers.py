@@ -153,7 +153,7 @@ def test_bad_stacked_values_and_arrays_name_the_problem():
     assert jq.QuantSpec(stacked=np.int64(1)).stacked == 1
     with pytest.raises(ValueError, match=r"leaf 'w'.*stacked=2 needs an array with more axes.*"
                                          r"\(3, 8\)"):
-        jq.quantize_tree({"w": jnp.ones((3, 8))}, jq.QuantSpec(stacked=2))
+        jq.quantize_tree({"w": jnp.ones((3, 8))}, [("w", jq.QuantSpec(stacked=2))])
     with pytest.raises(ValueError, match=r"leaf 'w'.*axis.*each layer has shape \(8, 6\)"):
         jq.quantize_tree({"w": jnp.ones((3, 8, 6))}, jq.QuantSpec(axis=2, stacked=1))
 
@@ -218,6 +218,20 @@ def test_a_bare_tree_of_nn_scan_layers_gets_what_quantize_params_makes():
     assert jax.tree.structure(by_rules) == jax.tree.structure(by_model)
     assert _leaves_equal(by_rules, by_model)
     np.testing.assert_array_equal(jax.jit(qm.apply)(by_rules, x), jax.jit(qm.apply)(by_model, x))
+    # One stacked spec for the whole tree selects what QuantSpec() selects in one layer: the
+    # kernels, not the (layers, features) biases (one scale per element, and no runnable tree).
+    by_spec = jq.quantize_tree(params, jq.QuantSpec(stacked=1))
+    assert jax.tree.structure(by_spec) == jax.tree.structure(by_model)
+    assert _leaves_equal(by_spec, by_model)
+
+
+def test_a_stacked_spec_counts_dimensions_within_one_layer():
+    tree = {"bias": jnp.zeros((3, 16)), "kernel": jnp.ones((3, 16, 8)), "deep": jnp.ones((2, 3, 16))}
+    assert jq.match_rules(tree, jq.QuantSpec(stacked=1)) == {
+        "bias": None, "deep": jq.QuantSpec(stacked=1), "kernel": jq.QuantSpec(stacked=1)}
+    assert jq.match_rules(tree, jq.QuantSpec(stacked=2)) == {
+        "bias": None, "deep": None, "kernel": None}
+    assert jq.match_rules(tree, None) == dict.fromkeys(tree, jq.QuantSpec())
 
 
 @pytest.mark.parametrize("kw", [dict(dtype=jnp.int4, axis=1), dict(dtype=jnp.int4, axis=1, block_size=8),

@@ -211,6 +211,14 @@ def test_invalid_pattern_is_named_with_its_index():
         jq.quantize_tree({"k": _f32(2, 2)}, [("a", None), ("b", None), ("*kernel", None)])
 
 
+@pytest.mark.parametrize("pattern", ["w{99999999999}", "(" * 2000 + ")" * 2000],
+                         ids=["OverflowError", "RecursionError"])
+def test_patterns_re_cannot_compile_are_value_errors(pattern):
+    for call in (jq.quantize_tree, jq.match_rules, jq.unused_rules):
+        with pytest.raises(ValueError, match=r"rules\[0\]: pattern .* is not a valid regular"):
+            call({"k": _f32(2, 2)}, [(pattern, None)])
+
+
 @pytest.mark.parametrize(("spec", "leaf", "message"), [
     (jq.QuantSpec(axis=2), (4, 8), r"leaf 'blk/0/w' \(float32\[4, 8\]\): axis must be in \[-2, 2\)"
                                    r" for an input of rank 2, got 2"),

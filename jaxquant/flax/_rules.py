@@ -228,7 +228,7 @@ def check_rules(rules: Rules) -> tuple[tuple[re.Pattern, QuantConfig | None], ..
                             f"got {rule!r}.")
         try:
             out.append((re.compile(rule[0]), rule[1]))
-        except re.error as e:
+        except (re.error, OverflowError, RecursionError) as e:  # a{99999999999}: Overflow
             raise ValueError(f"rules[{i}] has an invalid pattern {rule[0]!r}: {e}.") from None
     return tuple(out)
 

@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import numpy as np
 
-from jaxquant._leaves import is_abstract
+from jaxquant._leaves import eval_shape_sharded, is_abstract
 from jaxquant._qtensor import is_qtensor
 from jaxquant.flax._boxes import box_qtensor
 from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, linen_input_grams
@@ -286,7 +286,7 @@ class QuantizedLinen:
                 fn = functools.partial(gptq_kernel, gram=grams[path], spec=spec, path=path)
             try:
                 if is_abstract(leaf):  # placeholders (jax.eval_shape(qm.init, ...))
-                    qt = jax.eval_shape(fn, leaf, *learned)
+                    qt = eval_shape_sharded(fn, leaf, *learned)
                 else:
                     qt = fn(leaf, *learned)
             except (TypeError, ValueError) as e:
