@@ -12,7 +12,7 @@ from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["explicit_sharding", "explicit_spec", "spec_of", "reshape_sharded", "replicated_along",
-           "sharding_with_spec"]
+           "reshard_like", "sharding_with_spec"]
 
 
 def explicit_sharding(x):
@@ -62,3 +62,15 @@ def replicated_along(v: jax.Array, axis: int) -> jax.Array:
         return v
     want = tuple(None if d == axis else a for d, a in enumerate(spec))
     return jax.sharding.reshard(v, sharding_with_spec(v, want))
+
+
+def reshard_like(v: jax.Array, acc: jax.Array) -> jax.Array:
+    """``v`` (broadcastable to ``acc``) resharded as ``acc`` on a mesh with explicit axes:
+    a scale's axis may be sharded where ``acc``'s is not (blocks of the weight sharded on
+    the mesh axis of the activation's rows), and JAX rejects their product."""
+    spec, target = explicit_spec(v), explicit_spec(acc)
+    if spec is None or target is None:
+        return v
+    want = tuple(t if n == m else None for t, n, m in zip(target, v.shape, acc.shape,
+                                                          strict=True))
+    return v if want == spec else jax.sharding.reshard(v, sharding_with_spec(v, want))

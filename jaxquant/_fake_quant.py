@@ -62,7 +62,7 @@ from jaxquant._args import as_array, as_float_input, check_float_scale
 from jaxquant._barriers import keep_rounding
 from jaxquant._codebooks import code_values
 from jaxquant._cpu_division import scale_factors
-from jaxquant._explicit_sharding import explicit_spec, sharding_with_spec
+from jaxquant._explicit_sharding import explicit_spec, reshard_like, sharding_with_spec
 from jaxquant._formats import Format
 from jaxquant._granularity import (
     Layout,
@@ -225,10 +225,16 @@ def _fake_quant_program(x, scale, zero_point, key, config: _Config, options, sym
     return _fake_quant(x, scale.astype(jnp.float32), zero_point, noise, config)
 
 
+def _expand(v, x, layout):
+    """A scale-shaped ``v`` lined up with ``x``, on ``x``'s mesh axes where its type carries
+    them: a replicated block scale repeated over a data-sharded ``x`` would not mix with it."""
+    return reshard_like(expand(v, x.shape, layout), x)
+
+
 def _codes(x, scale, zero_point, noise, config: _Config):
     """(unclipped float codes, clipped float codes, rounded zero point or None, x / scale)."""
     fmt = config.fmt
-    s = expand(scale, x.shape, config.layout)
+    s = _expand(scale, x, config.layout)
     if config.input_floor is not None:  # as `quantize` reads it (no -2**128 code)
         x = jnp.maximum(x, config.input_floor)
     t = quotient(x.astype(jnp.float32), s, fmt, config.scale_kind)
@@ -242,7 +248,7 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     zp = None
     r = jnp.round(t) if noise is None else stochastic_int(t, noise)
     if zero_point is not None:
-        zp = expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x.shape, config.layout)
+        zp = _expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x, config.layout)
         r = r + zp
     q = jnp.clip(r, fmt.qmin, fmt.qmax)
     q = jnp.where(jnp.isnan(r), 0.0 if zp is None else zp, q)  # NaN: the zero point's, as quantize
@@ -261,7 +267,9 @@ def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
     is clipped. The other codebooks (NF4, FP4) have no step beyond their largest
     value and clip above it.
     """
-    if fmt.is_integer or (fmt.is_codebook and fmt.ties != "even"):
+    if fmt.is_integer:  # rounded codes: < qmax + 1 is exact, int32's qmax is not in float32
+        return (raw >= fmt.qmin) & (raw < np.float32(fmt.qmax + 1))
+    if fmt.is_codebook and fmt.ties != "even":
         return (raw >= fmt.qmin) & (raw <= fmt.qmax)
     if not saturate and not fmt.is_codebook:
         return ~jnp.isnan(raw)
@@ -281,9 +289,9 @@ def _fake_quant(x, scale, zero_point, noise, config: _Config):
     _, q, zp, _ = _codes(x, scale, zero_point, noise, config)
     v = q if zp is None else q - zp
     if config.scale_kind == "normal":  # `scale_factors` would give the scale itself and 1
-        out = (v * expand(scale, x.shape, config.layout)).astype(x.dtype)
+        out = (v * _expand(scale, x, config.layout)).astype(x.dtype)
     else:
-        s, f = (expand(a, x.shape, config.layout) for a in scale_factors(scale))  # `dequantize`'s
+        s, f = (_expand(a, x, config.layout) for a in scale_factors(scale))  # `dequantize`'s
         out = ((v * s) * f).astype(x.dtype)
     # XLA:GPU would fold a bfloat16/float16 value cast back to float32 (a layer's promotion)
     # into the unrounded float32 one: the QAT model would not be the quantized model
@@ -302,10 +310,9 @@ def _fake_quant_bwd(config: _Config, residuals, g):
         # its forward's nearbyint(z): they differ for negative z and for ties (2.5 -> 3)
         zero_point = jnp.trunc(jnp.clip(zero_point + 0.5, fmt.qmin, fmt.qmax))
     raw, q, zp, t = _codes(x, scale, zero_point, noise, config)
-    g = g.astype(jnp.float32)
     inside = _in_range(raw, fmt, config.saturate)
-    lo = fmt.qmin
-    dx = jnp.where(inside, g, 0.0).astype(x.dtype)
+    dx = jnp.where(inside, g, 0).astype(x.dtype)  # float64 x: its cotangent, not rounded
+    g, lo = g.astype(jnp.float32), fmt.qmin
     zpv = 0.0 if zp is None else zp
     edge = jnp.where(raw < lo, jnp.float32(fmt.qmin) - zpv, jnp.float32(fmt.qmax) - zpv)
     # an integer NaN's value is its zero point's, 0 whatever the scale and zero point

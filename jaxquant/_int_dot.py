@@ -26,7 +26,12 @@ from jax import lax
 
 from jaxquant._barriers import int_dot_general
 from jaxquant._bits import sign_extend, split_groups, unpack_fields
-from jaxquant._explicit_sharding import explicit_spec, replicated_along, sharding_with_spec
+from jaxquant._explicit_sharding import (
+    explicit_spec,
+    replicated_along,
+    reshard_like,
+    sharding_with_spec,
+)
 from jaxquant._formats import get_format
 from jaxquant._granularity import expand
 from jaxquant._packing import PackedArray
@@ -144,18 +149,6 @@ def to_output(v: jax.Array, contract: tuple, batch: tuple, side: int, n_other_fr
     v = v.reshape(v.shape[:len(batch) + len(free)])
     nb, ones = len(batch), (1,) * n_other_free
     return v.reshape(v.shape + ones if side == 0 else v.shape[:nb] + ones + v.shape[nb:])
-
-
-def reshard_like(v: jax.Array, acc: jax.Array) -> jax.Array:
-    """``v`` (broadcastable to ``acc``) resharded as ``acc`` on a mesh with explicit axes:
-    a scale's axis may be sharded where ``acc``'s is not (blocks of the weight sharded on
-    the mesh axis of the activation's rows), and JAX rejects their product."""
-    spec, target = explicit_spec(v), explicit_spec(acc)
-    if spec is None or target is None:
-        return v
-    want = tuple(t if n == m else None for t, n, m in zip(target, v.shape, acc.shape,
-                                                          strict=True))
-    return v if want == spec else jax.sharding.reshard(v, sharding_with_spec(v, want))
 
 
 def spec_of_axes(v: jax.Array, axes) -> jax.sharding.NamedSharding | None:

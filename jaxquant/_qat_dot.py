@@ -57,6 +57,7 @@ from jax.typing import ArrayLike, DTypeLike
 from jaxquant._args import as_array, as_dtype, as_precision
 from jaxquant._barriers import int_dot_general
 from jaxquant._dot import _check_dims
+from jaxquant._explicit_sharding import reshard_like
 from jaxquant._fake_quant import fake_quant
 from jaxquant._formats import get_format
 from jaxquant._granularity import Layout, apply_grouped, normalize_axis
@@ -67,7 +68,6 @@ from jaxquant._int_dot import (
     exact_length,
     int_dot_parts,
     int_operand,
-    reshard_like,
     slice_axes,
     spec_of_axes,
     to_output,

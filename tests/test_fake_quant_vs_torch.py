@@ -269,3 +269,31 @@ def test_lsq_gradients_at_subnormal_scales_are_finite():
         assert np.isfinite(float(gs)) and abs(float(gs) - ds) <= 1e-6 * 128 * gabs, (gs, ds)
         # the exact sum is itself subnormal here: flushed to zero or close to it
         assert abs(float(gz) - dz) <= max(1e-5 * float(s) * gabs, 2.0**-126)
+
+
+def test_a_float64_input_gets_its_cotangent_through_unrounded():
+    # the STE passes g * mask; before, g was rounded to float32 first (1 + 2**-40 -> 1.0)
+    with jax.enable_x64():
+        x = np.array([0.3, -1.2, 2.5, 100.0])
+        g = np.array([1 / 3, 0.1, 1 + 2.0**-40, 7.0])
+        _, vjp = jax.vjp(lambda v: jq.fake_quant(v, jnp.float64(0.25), dtype=jnp.int8),
+                         jnp.asarray(x))
+        (got,) = vjp(jnp.asarray(g))
+        assert got.dtype == jnp.float64
+    xt = torch.tensor(x, requires_grad=True)
+    torch.fake_quantize_per_tensor_affine(xt, 0.25, 0, -128, 127).backward(torch.tensor(g))
+    np.testing.assert_array_equal(np.asarray(got), xt.grad.numpy())
+
+
+def test_int32_code_of_2_to_the_31_is_clipped_in_the_gradients():
+    # float32(qmax) of int32 is 2**31: a code of 2**31 is above qmax, clipped by quantize,
+    # so its x-gradient is 0 and its scale gradient qmax - z, as torch's learnable op
+    x = np.array([2.0**31, 2.0**31 - 256, -(2.0**31)], np.float32)
+    dx, ds = jax.grad(lambda v, s: jq.fake_quant(v, s, dtype=jnp.int32).sum(), (0, 1))(
+        jnp.asarray(x), jnp.float32(1.0))
+    assert int(jq.quantize(jnp.asarray(x), jnp.float32(1.0), dtype=jnp.int32).qvalue[0]) == 2**31 - 1
+    xt, st, zt = (torch.tensor(v, requires_grad=True) for v in (x, [1.0], [0.0]))
+    torch._fake_quantize_learnable_per_tensor_affine(xt, st, zt, -2**31, 2**31 - 1, 1.0).sum().backward()
+    np.testing.assert_array_equal(np.asarray(dx), xt.grad.numpy())
+    assert np.asarray(dx).tolist() == [0.0, 1.0, 1.0]
+    assert float(ds) == float(st.grad[0])

@@ -205,3 +205,27 @@ def test_lsq_gradients_of_a_scale_sharded_unlike_its_kernel(scale_spec):
     assert _spec(got[1]) == _spec(s) and _spec(got[2]) == _spec(z)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("x_spec,s_spec", [(P("d", None), P()), (P("d", "m"), P()),
+                                           (P(None, "m"), P()), (P("d", "m"), P("d", None)),
+                                           (P("d", None), P(None, "m"))])
+def test_learned_block_scales_sharded_unlike_the_input(x_spec, s_spec):
+    # before: the block scale repeated over x kept the scale's sharding, which JAX would not
+    # mix with x's (forward), nor return as x's gradient (backward); quantize worked
+    mesh = host_mesh((2, 4), ("d", "m"), Explicit)
+    x0, s0 = _x(8, 16), jnp.abs(_x(8, 4, seed=1)) / 50 + 0.01
+
+    def loss(x, s):
+        return jnp.sum(jnp.sin(jq.fake_quant(x, s, axis=1, block_size=4)))
+
+    fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))
+    want = fn(x0, s0)
+    x = jax.device_put(x0, NamedSharding(mesh, x_spec))
+    s = jax.device_put(s0, NamedSharding(mesh, s_spec))
+    got = fn(x, s)
+    assert _spec(got[1][0]) == _spec(x) and _spec(got[1][1]) == _spec(s)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(jq.fake_quant(x, s, axis=1, block_size=4)),
+                                  np.asarray(jq.fake_quant(x0, s0, axis=1, block_size=4)))
