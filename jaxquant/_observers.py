@@ -142,6 +142,7 @@ def _observer(axis: int | None, make_state, update_kernel, clip_range,
                                 f"{jnp.result_type(field)}.")
 
     def init(x_like):
+        _refuse_pairs(x_like)
         shape = getattr(x_like, "shape", None)
         shape = tuple(np.shape(x_like) if shape is None else shape)
         return make_state(layout_from_args(shape, axis, None).scale_shape(shape))
@@ -176,17 +177,23 @@ def _as_batch(x: Any) -> jax.Array:
     """A batch as a float array; a data loader's ``torch.Tensor`` (bfloat16 or requiring
     grad too) through NumPy or DLPack. A tuple or list of arrays (a data loader's
     ``(inputs, labels)``) is a TypeError: stacked, it would observe the labels."""
-    if isinstance(x, tuple | list) and any(len(getattr(v, "shape", ())) for v in x):
-        raise TypeError(f"x must be one array, got a {type(x).__name__} of {len(x)} arrays "
-                        f"(a data loader's (inputs, labels)? pass the inputs, e.g. "
-                        f"(b[0] for b in loader); samples of one batch: stack them).")
+    _refuse_pairs(x)
     if not isinstance(x, jax.Array | np.ndarray) and hasattr(x, "__array__"):
         x = x.detach() if hasattr(x, "detach") else x  # a torch.Tensor: observed only
         try:
             x = np.asarray(x)
         except (TypeError, RuntimeError):  # a dtype NumPy lacks (torch.bfloat16)
-            x = np.asarray(jnp.from_dlpack(x))
+            # DLPack takes compact strides only (a bfloat16 column slice is not)
+            x = np.asarray(jnp.from_dlpack(x.contiguous() if hasattr(x, "contiguous") else x))
     return as_float_input(x)
+
+
+def _refuse_pairs(x: Any) -> None:
+    """A TypeError for a tuple or list of arrays: a data loader's ``(inputs, labels)``."""
+    if isinstance(x, tuple | list) and any(len(getattr(v, "shape", ())) for v in x):
+        raise TypeError(f"x must be one array, got a {type(x).__name__} of {len(x)} arrays "
+                        f"(a data loader's (inputs, labels)? pass the inputs, e.g. "
+                        f"(b[0] for b in loader); samples of one batch: stack them).")
 
 
 def _range_state(groups):

@@ -89,9 +89,11 @@ def test_input_label_pairs_of_a_data_loader_are_refused():
     to 30) were observed as activations."""
     x = np.linspace(-1.0, 1.0, 4, dtype=np.float32)
     y = np.arange(4) * 10
-    for batch in [(x, y), [x, y], (jnp.asarray(x), jnp.asarray(2 * x))]:
-        with pytest.raises(TypeError, match="x must be one array, got a (tuple|list) of 2"):
-            cal.calibrate(cal.minmax(), [batch])
+    rows, labels = np.ones((4, 3), np.float32), np.arange(4)  # unequal shapes: refused by init
+    for batch in [(x, y), [x, y], (jnp.asarray(x), jnp.asarray(2 * x)), (rows, labels)]:
+        for obs in [cal.minmax(), cal.minmax(axis=-1), cal.histogram(16)]:
+            with pytest.raises(TypeError, match="x must be one array, got a (tuple|list) of 2"):
+                cal.calibrate(obs, [batch])
     state = cal.calibrate(cal.minmax(), [[1.0, 2.0]])  # nested numbers are still one batch
     assert float(state.max) == 2.0
 
@@ -107,6 +109,9 @@ def test_bfloat16_and_grad_requiring_torch_batches_are_observed():
         _assert_same_state(got, cal.calibrate(obs, as_bf16))
         got = cal.calibrate(obs, [torch.from_numpy(b).requires_grad_() * 1 for b in batches])
         _assert_same_state(got, cal.calibrate(obs, batches))
+        # a column slice (strided: DLPack takes compact tensors only)
+        got = cal.calibrate(obs, [torch.from_numpy(b).bfloat16()[:, :2] for b in batches])
+        _assert_same_state(got, cal.calibrate(obs, [b[:, :2] for b in as_bf16]))
 
 
 # ----------------------------------------------------------------------------- errors

@@ -13,7 +13,7 @@ nnx = pytest.importorskip("flax.nnx")
 from jaxpr_utils import find_eqns  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
-from jaxquant.flax import ActSpec, QuantConfig, nnx_quantize, quantize_linen  # noqa: E402
+from jaxquant.flax import ActSpec, QuantConfig, nnx_qat, nnx_quantize, quantize_linen  # noqa: E402
 
 DN = (((1,), (0,)), ((), ()))
 W8A8 = jq.ActQuant()
@@ -160,6 +160,10 @@ def test_static_act_scale_nan_input_is_not_dropped(kind):
     assert np.isnan(np.asarray(_float_ref(model, params, q, bad))).any()
     assert np.isnan(np.asarray(qm.apply(q, bad))[0]).all()
     assert np.isnan(np.asarray(jax.jit(qm.apply)(q, bad))[0]).all()
+    # training (fake quantization on the float params) turns the same elements NaN: before,
+    # the NaN got the zero code there and the QAT output was finite
+    np.testing.assert_array_equal(np.isnan(np.asarray(qm.apply(params, bad))),
+                                  np.isnan(np.asarray(jax.jit(qm.apply)(q, bad))))
 
 
 def test_static_act_scale_of_a_format_other_than_int8_is_refused():
@@ -198,3 +202,13 @@ def test_nnx_int8_layers_dot_int8_codes_only():
         jaxpr = jax.make_jaxpr(lambda s, g=graphdef, x=x: nnx.merge(g, s)(x))(state).jaxpr
         dots = [[v.aval.dtype for v in e.invars + e.outvars] for e in find_eqns(jaxpr)]
         assert dots == [[jnp.int8, jnp.int8, jnp.int32]]
+
+
+def test_nnx_static_act_scale_turns_nan_alike_in_training_and_inference():
+    x = np.ones((3, 4), np.float32)
+    x[0, 0] = np.nan
+    rules = QuantConfig(act=ActSpec(scale=0.05))
+    trained = np.asarray(nnx_qat(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), rules)(x))
+    served = np.asarray(nnx_quantize(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), rules)(x))
+    assert np.isnan(served).all()
+    np.testing.assert_array_equal(np.isnan(trained), np.isnan(served))

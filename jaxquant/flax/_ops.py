@@ -154,8 +154,11 @@ def fake_quant_act(x: jax.Array, act: ActSpec, contract: tuple[int, ...] | None)
     """
     if act.scale is not None:  # symmetric: unsigned codes around their mid-range zero point
         scale = jnp.asarray(act.scale, jnp.float32)
-        return fake_quant(x, scale, _fixed_zero_point(QuantSpec(dtype=act.dtype), scale),
-                          dtype=act.dtype)
+        fq = fake_quant(x, scale, _fixed_zero_point(QuantSpec(dtype=act.dtype), scale),
+                        dtype=act.dtype)
+        # a NaN's code is the zero point's; inference turns the whole output NaN, as a
+        # dynamic per-tensor scale would (_infer_ops._keep_nan): so does training
+        return jnp.where(jnp.any(jnp.isnan(x)), jnp.asarray(jnp.nan, fq.dtype), fq)
     if act.granularity == "tensor" or contract is None:
         return fake_quant(x, dtype=act.dtype)
     if any(not -x.ndim <= d < x.ndim for d in contract):
