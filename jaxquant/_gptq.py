@@ -18,6 +18,7 @@ The result is an ordinary `QTensor`: the same format, layout and bytes as
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -28,6 +29,7 @@ from jax import lax
 from jax.typing import ArrayLike, DTypeLike
 
 from jaxquant._args import as_array
+from jaxquant._explicit_sharding import explicit_sharding, explicit_spec, sharding_with_spec
 from jaxquant._formats import get_format
 from jaxquant._granularity import _is_int
 from jaxquant._qtensor import QTensor
@@ -100,7 +102,9 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
 
     Returns:
       A `QTensor` of ``w``'s shape and dtype, laid out as ``quantize(w, dtype=dtype,
-      axis=axis, block_size=block_size, symmetric=symmetric)`` would be.
+      axis=axis, block_size=block_size, symmetric=symmetric)`` would be. On mesh axes of
+      type Explicit the sweep runs on whole (replicated) arrays; the codes come back on
+      ``w``'s sharding, the scales replicated.
 
     Raises:
       TypeError: ``w`` or ``hessian`` not an array, ``hessian`` not real (float or
@@ -137,8 +141,14 @@ def gptq(w: ArrayLike, hessian: ArrayLike, *, dtype: DTypeLike | str = jnp.int8,
     if w.shape[0] == 0:  # no input rows: nothing to compensate, quantize's empty QTensor
         return quantize(w, dtype=dtype, axis=axis, block_size=block_size,
                         symmetric=bool(symmetric))
+    placed = explicit_sharding(w)  # the sweep gathers and scatters rows: whole arrays
+    w, hessian = (a if explicit_spec(a) is None else
+                  jax.sharding.reshard(a, sharding_with_spec(a, (None,) * a.ndim))
+                  for a in (w, hessian))
     qt, factored = _gptq(w, hessian, fmt.name, block_size, bool(symmetric), float(damp),
                          bool(act_order))
+    if placed is not None:
+        qt = dataclasses.replace(qt, qvalue=jax.sharding.reshard(qt.qvalue, placed))
     if not isinstance(factored, jax.core.Tracer) and not bool(factored):
         raise ValueError(f"hessian + damp * mean(diag(hessian)) * I is not positive definite "
                          f"(damp={damp}): the hessian is singular, indefinite or not finite. "

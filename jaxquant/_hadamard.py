@@ -26,6 +26,7 @@ well as 512).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +35,7 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from jaxquant._args import as_array
+from jaxquant._explicit_sharding import replicated_along, reshape_sharded, spec_of
 from jaxquant._qtensor import is_qtensor
 
 __all__ = ["hadamard_transform"]
@@ -145,12 +147,32 @@ def hadamard_transform(x: ArrayLike, axis: int = -1, *, block_size: int | None =
     if block_size == 1 or x.size == 0:
         return x
     compute = x.dtype if x.dtype.itemsize >= 4 else jnp.dtype(jnp.float32)
-    moved = jnp.moveaxis(x, axis, -1).astype(compute)
+    given = jnp.moveaxis(x, axis, -1).astype(compute)
+    moved = _blocks_on_devices(given, n // block_size)
     *outer, inner = _factors(block_size)  # H = H_outer[0] (x) ... (x) H_inner
-    blocks = moved.reshape(-1, *outer, inner)
+    # only the rotated axis is split (explicit mesh axes: the others keep theirs, and the
+    # block count takes the axis's own)
+    lead, spec = moved.ndim - 1, spec_of(moved)
+    blocks = reshape_sharded(moved, (*moved.shape[:-1], n // block_size, *outer, inner),
+                             [*spec, *(None,) * (len(outer) + 1)])
     dot = functools.partial(jnp.matmul, precision=lax.Precision.HIGHEST)
     out = dot(blocks, jnp.asarray(_sylvester(inner), compute))  # (I (x) H_inner) per block
     for i, size in enumerate(outer):  # each further factor mixes one axis of the block's view
-        out = _along(jnp.asarray(_sylvester(size), compute), out, i + 1)
-    out = (out * (block_size ** -0.5)).reshape(moved.shape)
+        out = _along(jnp.asarray(_sylvester(size), compute), out, lead + 1 + i)
+    out = reshape_sharded(out * (block_size ** -0.5), moved.shape, list(spec))
+    if moved is not given:  # gathered for the blocks: back onto the input's devices
+        out = jax.sharding.reshard(out, jax.typeof(given).sharding)
     return jnp.moveaxis(out, -1, axis).astype(x.dtype)
+
+
+def _blocks_on_devices(moved: jax.Array, count: int) -> jax.Array:
+    """``moved`` with its last axis whole on every device if its ``count`` blocks do not
+    split evenly over that axis's explicit mesh axes (a block would straddle two devices)."""
+    spec = spec_of(moved)
+    if spec[-1] is None:
+        return moved
+    names = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)
+    mesh = jax.typeof(moved).sharding.mesh
+    if count % math.prod(mesh.shape[a] for a in names) == 0:
+        return moved
+    return replicated_along(moved, moved.ndim - 1)

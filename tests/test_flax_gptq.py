@@ -142,3 +142,29 @@ def test_a_failing_nnx_quantize_leaves_the_model_unchanged():
     for i, k in zip((0, 2), before, strict=True):
         want = jq.gptq(k, grams[f"layers/{i}"], dtype=jnp.int4, axis=0, block_size=2)
         np.testing.assert_array_equal(model.layers[i].kernel[...].qvalue, want.qvalue)
+
+
+def test_nnx_layers_sharing_a_kernel_sum_their_grams():
+    # before: the shared kernel took the first layer's gram only, and a gram for the second
+    # layer alone was dropped (round to nearest); linen sums a module's calls the same way
+    class Tied(nnx.Module):
+        def __init__(self):
+            self.a = nnx.Linear(16, 16, rngs=nnx.Rngs(0))
+            self.b = nnx.Linear(16, 16, rngs=nnx.Rngs(1))
+            self.b.kernel = self.a.kernel
+
+        def __call__(self, x):
+            return self.b(jnp.tanh(self.a(x)))
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((256, 16)) @ rng.standard_normal((16, 16)), jnp.float32)
+    cfg = QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4))
+    model = Tied()
+    w, grams = model.a.kernel[...], nnx_input_grams(model, cfg, x)
+    assert sorted(grams) == ["a", "b"]
+    for given, gram in [(grams, grams["a"] + grams["b"]), ({"b": grams["b"]}, grams["b"])]:
+        tied = nnx_quantize(nnx.clone(model), cfg, grams=given)
+        assert tied.a.kernel is tied.b.kernel
+        want = jq.gptq(w, gram, dtype=jnp.int4)
+        np.testing.assert_array_equal(np.asarray(tied.a.kernel[...].qvalue), np.asarray(want.qvalue))
+        np.testing.assert_array_equal(np.asarray(tied.a.kernel[...].scale), np.asarray(want.scale))

@@ -220,3 +220,27 @@ def test_complex_hessian_is_a_type_error():
     w = np.ones((8, 4), np.float32)
     with pytest.raises(TypeError, match="hessian must be a real array, got dtype complex64"):
         jq.gptq(w, np.eye(8, dtype=np.complex64))
+
+
+@pytest.mark.parametrize("w_spec,h_spec", [((None, "d"), ()), (("d", None), ()),
+                                           ((None, None), ("d", None)), (("d", None), (None, "d"))])
+@pytest.mark.parametrize("kw", [dict(dtype=jnp.int4), dict(dtype=jnp.int4, axis=0, block_size=16),
+                                dict(dtype=jnp.uint4, symmetric=False, act_order=True)],
+                         ids=["per-channel", "blocks", "act-order"])
+def test_explicit_mesh_axes_give_the_one_device_codes(w_spec, h_spec, kw):
+    from host_mesh import host_mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    # before: JAX's ShardingTypeError from the sweep's gathers and scatters
+    mesh = host_mesh((8,), ("d",), jax.sharding.AxisType.Explicit)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 64)).astype(np.float32)
+    w, h = rng.standard_normal((64, 32)).astype(np.float32), x.T @ x
+    want = jq.gptq(w, h, **kw)
+    ws = jax.device_put(w, NamedSharding(mesh, P(*w_spec)))
+    hs = jax.device_put(h, NamedSharding(mesh, P(*h_spec)))
+    got = jq.gptq(ws, hs, **kw)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert got.qvalue.sharding.spec == ws.sharding.spec

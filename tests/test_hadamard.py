@@ -112,3 +112,27 @@ def test_argument_errors(kwargs, error, match):
 def test_a_qtensor_is_refused_by_name():
     with pytest.raises(TypeError, match="x must be a float array, got a jaxquant.QTensor"):
         jq.hadamard_transform(jq.quantize(jnp.ones((2, 16))))
+
+
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+@pytest.mark.parametrize("shape,spec,axis,block_size", [
+    ((64, 512), ("d", None), -1, 64),     # data-parallel rows, features rotated in blocks
+    ((64, 512), (None, "d"), -1, 64),     # features sharded, each block on one device
+    ((64, 512), (None, "d"), -1, 256),    # two blocks over eight devices: gathered, rotated
+    ((64, 512), ("d", None), 0, 8),       # rotating the sharded axis itself
+    ((8, 2**15), ("d", None), -1, 2**15),  # a Kronecker-factored block beside a sharded axis
+])
+def test_sharded_inputs_give_the_one_device_result(axis_type, shape, spec, axis, block_size):
+    from host_mesh import cpu_normal, host_mesh
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    # before: explicit mesh axes refused the block reshape (it merged the leading axes)
+    mesh = host_mesh((8,), ("d",), getattr(jax.sharding.AxisType, axis_type))
+    x = cpu_normal(*shape)
+    want = np.asarray(jq.hadamard_transform(x, axis, block_size=block_size))
+    xs = jax.device_put(x, NamedSharding(mesh, P(*spec)))
+    got = jax.jit(lambda v: jq.hadamard_transform(v, axis, block_size=block_size))(xs)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)  # summation order
+    if axis_type == "Explicit":
+        assert jax.typeof(got).sharding.spec == jax.typeof(xs).sharding.spec

@@ -193,3 +193,27 @@ def gptq_kernels(grams: dict, layers: dict[str, tuple[QuantConfig | None, jax.Ar
     check_gptq_layers(grams, {p: (cfg, np.ndim(k)) for p, (cfg, k) in layers.items()})
     return {p: gptq_kernel(layers[p][1], g, layers[p][0].weight, p) for p, g in grams.items()
             if not isinstance(layers[p][1], QTensor)}
+
+
+def tied_grams(grams: dict, kernels: dict[str, int]) -> dict:
+    """Grams of layers that share one kernel (tied weights), summed under the first one's path.
+
+    Such a kernel sees every one of its layers' inputs, as a linen module called twice
+    records both calls: one GPTQ over the summed gram, not the first layer's alone.
+
+    Args:
+      grams: ``{path: gram}``.
+      kernels: ``{path: key}`` of the quantized layers, in model order; equal keys
+        (``id`` of the kernel ``Variable``) share a kernel.
+
+    Returns:
+      ``grams`` with each group of tied paths as one entry (other paths as given).
+    """
+    first: dict[int, str] = {}
+    for path, key in kernels.items():
+        first.setdefault(key, path)
+    out: dict = {}
+    for path, gram in grams.items():
+        owner = first[kernels[path]] if path in kernels else path
+        out[owner] = gram if owner not in out else out[owner] + gram
+    return out

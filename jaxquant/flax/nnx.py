@@ -22,7 +22,7 @@ from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
 from jaxquant._schemes import resolve
 from jaxquant.flax._boxes import QuantizedParam, keep_sharding
-from jaxquant.flax._gptq import GramRecorder, gptq_kernels, live_grams
+from jaxquant.flax._gptq import GramRecorder, gptq_kernels, live_grams, tied_grams
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote, check_own_op
 from jaxquant.flax._nnx_graph import (
     covered_layers,
@@ -320,7 +320,8 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
       model: an ``nnx.Module``, trained float or after `nnx_qat`.
       rules: as for `nnx_qat`.
       grams: ``{path: x^T x}`` from `nnx_input_grams`: those layers' kernels are
-        quantized with GPTQ (`jaxquant.gptq`); None: no GPTQ.
+        quantized with GPTQ (`jaxquant.gptq`; layers sharing a kernel: their grams
+        summed); None: no GPTQ.
 
     Returns:
       ``model`` itself.
@@ -346,7 +347,9 @@ def nnx_quantize(model: nnx.Module, rules: Rules, grams: dict | None = None) -> 
       (1, 2)
     """
     layers = list(covered_layers(model, rules))
-    solved = {} if grams is None else gptq_kernels(grams, {
+    tied = {p: id(getattr(layer, kernel_name(layer))) for p, layer, cfg in layers
+            if cfg is not None and cfg.weight is not None}  # shared kernels: summed grams
+    solved = {} if grams is None else gptq_kernels(tied_grams(grams, tied), {
         p: (cfg, getattr(layer, kernel_name(layer))[...]) for p, layer, cfg in layers})
     planned, kernels = [], {}  # every kernel first: an error leaves the model as it was
     for path, layer, cfg in layers:
