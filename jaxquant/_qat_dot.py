@@ -219,9 +219,17 @@ def _run(lhs, rhs, cfg: _Config, fake: bool):
     return _float_dot(cfg, lhs, rhs)
 
 
-def _check_weight(weight, rhs_ndim: int, rhs_contract: tuple) -> QuantSpec:
+def _check_options(weight, act, fake, backward) -> None:
+    """The checks that need no operand (`QATDotGeneral` runs them when it is built)."""
+    check_flags(fake=fake)
     if not isinstance(weight, QuantSpec):
         raise TypeError(f"weight must be a jaxquant.QuantSpec, got {type(weight).__name__}.")
+    check_act_quant(act, "act")
+    if backward not in ("float", "int8"):
+        raise ValueError(f"backward must be 'float' or 'int8', got {backward!r}.")
+
+
+def _check_weight(weight, rhs_ndim: int, rhs_contract: tuple) -> QuantSpec:
     if weight.dtype != np.dtype(jnp.int8):  # a scheme name ("mxint8") is a str
         raise ValueError(f"weight must quantize to int8 (the int8 x int8 -> int32 dot), got "
                          f"dtype={getattr(weight.dtype, 'name', weight.dtype)}.")
@@ -325,7 +333,7 @@ def qat_dot_general(
       >>> jax.grad(lambda w: jq.qat_dot_general(x, w, dims).sum())(w).T  # STE: fq(x)^T . 1
       Array([[ 1.        , -0.2992126 ,  0.19685039]], dtype=float32)
     """
-    check_flags(fake=fake)
+    _check_options(weight, act, fake, backward)
     ops = []
     for name, op in zip(_SIDES, (lhs, rhs), strict=True):
         if is_qtensor(op):
@@ -341,15 +349,12 @@ def qat_dot_general(
                         f"{ops[1].dtype}; cast one of them first.")
     dims = _check_dims(dimension_numbers, (ops[0].shape, ops[1].shape))
     weight = _check_weight(weight, ops[1].ndim, dims[0][1])
-    check_act_quant(act, "act")
     out_dtype = ops[0].dtype
     if preferred_element_type is not None:
         out_dtype = as_dtype(preferred_element_type, "preferred_element_type")
         if not jnp.issubdtype(out_dtype, jnp.floating):
             raise ValueError(f"preferred_element_type must be a float dtype (the int32 sums "
                              f"are scaled), got {out_dtype}.")
-    if backward not in ("float", "int8"):
-        raise ValueError(f"backward must be 'float' or 'int8', got {backward!r}.")
     if backward == "int8" and (act is None or weight.block_size or fake):
         raise ValueError("backward='int8' needs the int8 forward path: an act (not None), a "
                          "weight scale constant along the contraction (no block_size) and "
@@ -375,6 +380,10 @@ class QATDotGeneral:
       backward: ``"float"`` or ``"int8"`` (the gradient wrt the activation as
         an int8 dot); see `qat_dot_general`.
 
+    Raises:
+      TypeError, ValueError: when built, the checks of `qat_dot_general` that need no
+        operand (``weight`` a `QuantSpec`, ``act``, ``fake``, ``backward``).
+
     Example:
       >>> import jax.numpy as jnp, jaxquant as jq
       >>> dot = jq.QATDotGeneral(act=jq.ActQuant(granularity="tensor"))
@@ -386,6 +395,9 @@ class QATDotGeneral:
     act: ActQuant | None = ActQuant()
     fake: bool = False
     backward: Literal["float", "int8"] = "float"
+
+    def __post_init__(self):  # a typo fails here, not at the first call
+        _check_options(self.weight, self.act, self.fake, self.backward)
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, **kw) -> jax.Array:

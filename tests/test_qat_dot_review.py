@@ -311,3 +311,15 @@ def _mx(*shape, scheme="mxfp4"):
 def test_scaled_matmul_errors(args, kwargs, exc, match):
     with pytest.raises(exc, match=match):
         jq.scaled_matmul(*args, **kwargs)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(act="x"), TypeError, r"^act\b"),
+    (dict(backward="bogus"), ValueError, r"backward must be 'float' or 'int8', got 'bogus'"),
+    (dict(fake=1), TypeError, r"fake"),
+    (dict(weight="int8"), TypeError, r"weight must be a jaxquant.QuantSpec, got str"),
+])
+def test_qat_dot_general_module_checks_its_options_when_built(kw, exc, match):
+    # before: accepted, and the first call failed (inside a Flax model's apply)
+    with pytest.raises(exc, match=match):
+        jq.QATDotGeneral(**kw)
