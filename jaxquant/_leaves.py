@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import jax
 import numpy as np
@@ -12,7 +13,7 @@ from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, check_consistent
 
 __all__ = ["is_record", "is_abstract", "eval_shape_sharded", "leaf_dtype", "leaf_nbytes",
-           "stacked_axes", "layer_by_layer"]
+           "stacked_axes", "layer_by_layer", "unbox_record", "unbox_records"]
 
 
 def is_record(x) -> bool:
@@ -45,7 +46,8 @@ def eval_shape_sharded(fn, *args):
     `jax.eval_shape` gives output shardings on meshes of Explicit axes only; on Auto axes
     (``jax.sharding.Mesh``'s default) a sharded placeholder's outputs would come back with
     none, and a checkpoint loaded into them would land on one device. There the shardings
-    are those XLA gives the compiled ``fn`` (as it would concrete arrays).
+    are those XLA gives the compiled ``fn`` (as it would concrete arrays). On Explicit axes
+    they keep the placeholders' concrete mesh (`jax.eval_shape` gives its abstract one).
 
     Example:
       >>> import jax.numpy as jnp
@@ -54,9 +56,14 @@ def eval_shape_sharded(fn, *args):
     """
     out = jax.eval_shape(fn, *args)
     given = [getattr(a, "sharding", None) for a in jax.tree.leaves(args)]
-    if all(s is None for s in given) or all(o.sharding is not None
-                                            for o in jax.tree.leaves(out)):
+    if all(s is None for s in given):
         return out
+    if all(o.sharding is not None for o in jax.tree.leaves(out)):  # Explicit axes
+        meshes = {m.abstract_mesh: m for m in (getattr(s, "mesh", None) for s in given)
+                  if isinstance(m, jax.sharding.Mesh)}  # the devices, not only the axes
+        return jax.tree.map(lambda o: o.update(sharding=o.sharding.update(
+            mesh=meshes.get(o.sharding.mesh, o.sharding.mesh))) if isinstance(
+                o.sharding, jax.sharding.NamedSharding) else o, out)
     shardings = jax.jit(fn).lower(*args).compile().output_shardings
     return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s,
                                                           weak_type=o.weak_type),
@@ -67,8 +74,8 @@ def leaf_nbytes(leaf) -> int:
     """Storage bytes of one leaf: `QTensor.nbytes` / `PackedArray.nbytes` for a record,
     else ``size * itemsize`` of the leaf as a NumPy array (a Python float: 8; a PRNG key
     array: its key data)."""
-    if is_record(leaf):
-        return leaf.nbytes
+    if is_record(leaf):  # its arrays in Flax boxes (nn.Partitioned): counted unboxed
+        return unbox_record(leaf).nbytes
     dtype = leaf_dtype(leaf)
     if dtype == np.dtype(object):  # np.asarray(object()): the 8 bytes of a pointer, not of the leaf
         raise TypeError(f"a leaf of type {type(leaf).__name__} has no array bytes: {leaf!r:.80}")
@@ -122,3 +129,28 @@ def layer_by_layer(fn, qt: QTensor):
     for _ in range(stacked_axes(qt, "x")):
         fn = jax.vmap(fn)
     return fn(qt)
+
+
+def _arraylike(x) -> bool:
+    return hasattr(x, "shape") and hasattr(x, "dtype")
+
+
+def unbox_record(x):
+    """A `QTensor` or `PackedArray` with each array taken out of the one-leaf pytree that
+    wraps it (Flax's ``nn.Partitioned``, which ``quantize_params`` of a partitioned linen
+    kernel puts around each array of its QTensor); ``x`` itself when nothing is wrapped."""
+    if is_record(x):  # a PackedArray has a shape and a dtype too
+        children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
+        plain = [unbox_record(c) for c in children]
+        changed = any(p is not c for p, c in zip(plain, children, strict=True))
+        return treedef.unflatten(plain) if changed else x
+    if x is None or _arraylike(x):
+        return x
+    leaves = jax.tree_util.tree_leaves(x)
+    return leaves[0] if len(leaves) == 1 and _arraylike(leaves[0]) else x
+
+
+def unbox_records(tree: Any) -> Any:
+    """``tree`` with the arrays of its QTensor and PackedArray leaves unwrapped (`unbox_record`):
+    what is saved of a boxed QTensor, and the target a boxed target is loaded as."""
+    return jax.tree_util.tree_map(unbox_record, tree, is_leaf=is_record)

@@ -27,7 +27,8 @@ import numpy as np
 from jaxquant._args import as_array
 from jaxquant._bits import pack_bits, pack_fields
 from jaxquant._formats import FORMATS
-from jaxquant._leaves import stacked_axes
+from jaxquant._leaves import stacked_axes, unbox_records
+from jaxquant._leaves import unbox_record as _unbox
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import is_record, path_str
@@ -105,27 +106,6 @@ def padding_bits(spec: dict, stored: np.ndarray) -> np.ndarray:
 
 
 # --- boxed records -----------------------------------------------------------------------
-
-
-def _unbox(x):
-    """A `QTensor` or `PackedArray` with each array taken out of the one-leaf pytree that
-    wraps it (Flax's ``nn.Partitioned``, which ``quantize_params`` of a partitioned linen
-    kernel puts around each array of its QTensor); ``x`` itself when nothing is wrapped."""
-    if is_record(x):  # a PackedArray has a shape and a dtype too
-        children, treedef = jax.tree_util.tree_flatten(x, is_leaf=lambda y: y is not x)
-        plain = [_unbox(c) for c in children]
-        changed = any(p is not c for p, c in zip(plain, children, strict=True))
-        return treedef.unflatten(plain) if changed else x
-    if x is None or _is_arraylike(x):
-        return x
-    leaves = jax.tree_util.tree_leaves(x)
-    return leaves[0] if len(leaves) == 1 and _is_arraylike(leaves[0]) else x
-
-
-def unbox_records(tree: Any) -> Any:
-    """``tree`` with the arrays of its QTensor and PackedArray leaves unwrapped (`_unbox`):
-    what is saved of a boxed QTensor, and the target a boxed target is loaded as."""
-    return jax.tree_util.tree_map(_unbox, tree, is_leaf=is_record)
 
 
 def rebox_records(target: Any, tree: Any) -> Any:

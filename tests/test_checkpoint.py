@@ -546,10 +546,12 @@ def test_abstract_sharded_target_keeps_shardings(path):
 @pytest.mark.parametrize("spec", [jq.QuantSpec(), jq.QuantSpec(dtype=jnp.int4, block_size=8),
                                   jq.QuantSpec(dtype="nvfp4"), jq.QuantSpec(stacked=1)],
                          ids=["per-channel", "int4-blocks", "nvfp4", "stacked"])
-def test_placeholders_on_auto_mesh_keep_shardings(path, spec):
-    # jax.eval_shape gives no output shardings on Auto axes; quantize_tree of placeholders must
-    # still give those of the concrete tree, or the load lands on one device.
-    mesh = host_mesh((2, 4), ("data", "model"), jax.sharding.AxisType.Auto)
+@pytest.mark.parametrize("axis_type", ["Auto", "Explicit"])
+def test_placeholders_on_a_mesh_keep_shardings(path, spec, axis_type):
+    # jax.eval_shape gives no output shardings on Auto axes (and an abstract mesh on Explicit
+    # ones, which loading refuses outside set_mesh); quantize_tree of placeholders must still
+    # give those of the concrete tree, or the load lands on one device.
+    mesh = host_mesh((2, 4), ("data", "model"), getattr(jax.sharding.AxisType, axis_type))
     sharding = NamedSharding(mesh, P(None, "data", "model"))
     x = jax.device_put(cpu_normal(2, 16, 64), sharding)
     q = jq.quantize_tree({"w": x}, spec)

@@ -139,3 +139,18 @@ def test_state_without_meta_loads_checked_on_its_arrays():
     assert _bits(serialization.from_state_dict(tree, state)) == _bits(tree)
     with pytest.raises(ValueError, match=r"a QTensor state's meta is a JSON object"):
         serialization.from_state_dict(tree, {"w": dict(state["w"], meta="not json")})
+
+
+def test_partitioned_packed_linen_kernels_round_trip():
+    # before: a packed kernel with its bytes in nn.Partitioned had no shape for its meta
+    # (TypeError in to_bytes); tree_nbytes failed on the boxes too
+    model = nn.Dense(16, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                          (None, "model")))
+    qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, packed=True)))
+    x = jnp.ones((2, 8))
+    q = qm.quantize_params(model.init(jax.random.key(0), x), x)
+    back = serialization.from_bytes(q, serialization.to_bytes(q))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(q), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_array_equal(np.asarray(qm.apply(back, x)), np.asarray(qm.apply(q, x)))
+    assert jq.tree_nbytes(q) == jq.tree_nbytes(nn.meta.unbox(q)) == 8 * 16 // 2 + 16 * 4 + 16 * 4

@@ -281,6 +281,62 @@ def test_quantized_flax_kernels_keep_partition_specs():
     np.testing.assert_allclose(qm.apply(q, x), qm.apply(nn.meta.unbox(q), x))
 
 
+def test_partitioned_double_quant_kernels_load_into_their_own_shardings(tmp_path):
+    # before: the second-level scale (one entry here) got the kernel's mesh axes, which
+    # cannot split it: placing the params on nn.get_sharding, or loading the checkpoint
+    # into the nnx.eval_shape model's own shardings, failed
+    nn = pytest.importorskip("flax.linen")
+    nnx = pytest.importorskip("flax.nnx")
+    from jaxquant.flax import QuantConfig, nnx_quantize, quantize_linen
+
+    mesh = _mesh(jax.sharding.AxisType.Auto)
+    cfg = QuantConfig(weight=jq.QuantSpec(dtype="nf4", axis=0, block_size=32, double_quant=True))
+    init = nn.initializers.lecun_normal()
+    model = nn.Dense(128, kernel_init=nn.with_partitioning(init, ("data", "model")))
+    qm, x = quantize_linen(model, cfg), jnp.ones((2, 64))
+    q = qm.quantize_params(model.init(jax.random.key(0), x), x)
+    assert q["params"]["kernel"].scale.scale.names == (None, None)
+    placed = jax.device_put(nn.meta.unbox(q), nn.get_sharding(q, mesh))
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(placed, x)),  # sharded sums
+                               np.asarray(jax.jit(qm.apply)(nn.meta.unbox(q), x)), atol=1e-5)
+
+    def make():
+        layer = nnx.Linear(64, 128, rngs=nnx.Rngs(0),
+                           kernel_init=nnx.with_partitioning(init, ("data", "model")))
+        return nnx_quantize(layer, cfg)
+
+    with jax.set_mesh(mesh):
+        state = nnx.state(make())
+        abstract = nnx.state(nnx.eval_shape(make))
+        shardings = nnx.get_named_sharding(abstract, mesh)
+    target = jax.tree.map(lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh),
+                          abstract, shardings)
+    jq.save_safetensors(tmp_path / "m.safetensors", nnx.to_pure_dict(state))
+    back = jq.load_safetensors(tmp_path / "m.safetensors", nnx.to_pure_dict(target))
+    for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(nnx.to_pure_dict(state)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert back["kernel"].qvalue.sharding.spec == P("data", "model")
+
+
+def test_linen_placeholders_under_set_mesh_convert():
+    # before: unboxing applied Flax's sharding constraint to a ShapeDtypeStruct (TypeError)
+    nn = pytest.importorskip("flax.linen")
+    from jaxquant.flax import QuantConfig, quantize_linen
+
+    mesh = _mesh(jax.sharding.AxisType.Auto)
+    model = nn.Dense(128, kernel_init=nn.with_partitioning(nn.initializers.lecun_normal(),
+                                                           ("data", "model")))
+    qm = quantize_linen(model, QuantConfig(weight=jq.QuantSpec(dtype=jnp.int4, packed=True)))
+    x = jnp.ones((2, 64))
+    with jax.set_mesh(mesh):
+        abstract = jax.eval_shape(model.init, jax.random.key(0), x)
+        target = qm.quantize_params(abstract, x)
+        q = qm.quantize_params(model.init(jax.random.key(0), x), x)
+    kernel = nn.meta.unbox(target)["params"]["kernel"]
+    assert kernel.qvalue.dtype == jnp.int4 and kernel.qvalue.data.shape == (64, 64)
+    assert jax.tree.structure(nn.meta.unbox(target)) == jax.tree.structure(nn.meta.unbox(q))
+
+
 def test_weight_only_dot_vmapped_over_stacked_sharded_layers(mesh):
     # regression: the CPU scheduling lax.cond, its predicate batched by vmap over the
     # weights, became a select whose broadcast predicate JAX left unsharded (rejected)

@@ -43,7 +43,10 @@ def leaf_names(qt: QTensor, names, extra: int = 0) -> list[tuple]:
     out = [names] * len(jax.tree.leaves(qt.qvalue))  # a PackedArray's bytes: same rank
     scale = _scale_names(qt, names, extra)
     if is_qtensor(qt.scale):  # two-level: codes of the scale's shape, their own scale
-        out += leaf_names(qt.scale, scale, extra)
+        codes = jax.tree.leaves(qt.scale.qvalue)  # its scales (tiles over whole axes, a
+        rest = jax.tree.leaves(qt.scale)[len(codes):]  # few entries): replicated, as made
+        out += [scale] * len(codes) + [names[:extra] + (None,) * (len(a.shape) - extra)
+                                       for a in rest]
     else:
         out.append(scale)
     if qt.zero_point is not None:

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import serialization
 
+from jaxquant._leaves import unbox_record
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor
 
@@ -36,7 +37,9 @@ _FIELDS = {QTensor: ("qvalue", "scale", "zero_point"), PackedArray: ("data",)}
 
 
 def _meta(record) -> dict:
-    """The static metadata of ``record`` (what its arrays do not say), JSON-ready."""
+    """The static metadata of ``record`` (what its arrays do not say), JSON-ready; its arrays
+    may be in Flax boxes (a partitioned linen kernel's)."""
+    record = unbox_record(record)
     if isinstance(record, QTensor):
         block = record.block_size
         return {"axis": record.axis, "block_size": list(block) if isinstance(block, tuple)

@@ -269,7 +269,8 @@ class QuantizedLinen:
             node, qnode = out["params"], quant
             for k in keys:
                 node, qnode = node[k], qnode.get(k, {})
-            box, leaf, spec = node[name], nn.meta.unbox(node[name]), cfg.weight
+            box, spec = node[name], cfg.weight  # placeholders: no sharding constraint
+            leaf = box.value if isinstance(box, nn.Partitioned) else nn.meta.unbox(box)
             if is_qtensor(leaf):
                 continue
             learned = [qnode[name + k] for k in ("_scale", "_zero_point") if name + k in qnode]
