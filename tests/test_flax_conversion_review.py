@@ -155,3 +155,55 @@ def test_a_layer_built_with_its_own_dot_is_refused_not_replaced():
     # Flax's defaults and jaxquant's own ops pass
     plain = nnx_quantize(nnx.Linear(16, 4, rngs=nnx.Rngs(0)), rules)
     assert plain(X).shape == (16, 4)
+
+
+_EYE = lambda *a, **k: jnp.eye(2, dtype=jnp.float32)  # noqa: E731
+
+
+@pytest.mark.parametrize("kind", ["DenseGeneral", "Conv", "Einsum", "nnx.LinearGeneral",
+                                  "nnx.Conv", "nnx.Einsum"])
+def test_w8a8_qat_casts_the_input_to_the_compute_dtype_before_quantizing(kind):
+    # before: QAT quantized the float32 input, then the bfloat16 layer cast the fake-quantized
+    # values; inference casts first (0.79126 -> 0.79297 in bfloat16): code 100 vs 101 of 127
+    x = jnp.array([[1.0, 0.79126]], jnp.float32)
+    rules, bf16 = QuantConfig(act=ActSpec()), jnp.bfloat16
+    conv_eye = lambda *a, **k: jnp.eye(2, dtype=jnp.float32)[None]  # noqa: E731
+    if kind.startswith("nnx."):
+        rngs = nnx.Rngs(0)
+        make = {"nnx.LinearGeneral": lambda: nnx.LinearGeneral(2, 2, use_bias=False, dtype=bf16,
+                                                               kernel_init=_EYE, rngs=rngs),
+                "nnx.Conv": lambda: nnx.Conv(2, 2, (1,), use_bias=False, dtype=bf16,
+                                             kernel_init=conv_eye, rngs=rngs),
+                "nnx.Einsum": lambda: nnx.Einsum("bd,dk->bk", (2, 2), dtype=bf16,
+                                                 kernel_init=_EYE, rngs=rngs)}[kind]
+        xs = x[None] if kind == "nnx.Conv" else x
+        trained, served = nnx_qat(make(), rules)(xs), nnx_quantize(make(), rules)(xs)
+    else:
+        model = {"DenseGeneral": nn.DenseGeneral(2, use_bias=False, dtype=bf16, kernel_init=_EYE),
+                 "Conv": nn.Conv(2, (1,), use_bias=False, dtype=bf16, kernel_init=conv_eye),
+                 "Einsum": nn.Einsum((2, 2), "bd,dk->bk", use_bias=False, dtype=bf16,
+                                     kernel_init=_EYE)}[kind]
+        xs = x[None] if kind == "Conv" else x
+        qm = quantize_linen(model, rules)
+        v = qm.init(jax.random.key(0), xs)
+        trained, served = qm.apply(v, xs), qm.apply(qm.quantize_params(v, xs), xs)
+    assert float(np.asarray(served, np.float32).ravel()[1]) == 0.796875  # code 101 / 127
+    np.testing.assert_array_equal(np.asarray(trained, np.float32), np.asarray(served, np.float32))
+
+
+def test_w8a8_qat_of_a_bfloat16_input_to_a_float32_layer_is_the_deployed_model():
+    # before: the fake-quantized input stayed bfloat16 (1.7e-3 off); inference casts to
+    # float32 first and quantizes there
+    x = jax.random.normal(jax.random.key(0), (4, 3, 16)).astype(jnp.bfloat16)
+    rules = QuantConfig(act=ActSpec())
+    model = nn.Conv(8, (3,))
+    qm = quantize_linen(model, rules)
+    with jax.numpy_dtype_promotion("standard"):
+        v = qm.init(jax.random.key(1), x)
+        trained, served = qm.apply(v, x), qm.apply(qm.quantize_params(v, x), x)
+        layer = nnx.Conv(16, 8, (3,), rngs=nnx.Rngs(1))
+        nnx_trained = nnx_qat(layer, rules)(x)
+        nnx_served = nnx_quantize(layer, rules)(x)
+    assert trained.dtype == served.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(trained), np.asarray(served), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(nnx_trained), np.asarray(nnx_served), rtol=1e-5, atol=1e-5)

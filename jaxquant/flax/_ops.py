@@ -273,8 +273,9 @@ class QATPromote:
                     w = w.astype(compute)
                 items[k] = fake_quant_weight(w, self.weight, s, z)
             if self.act is not None and len(items) >= 2:
-                if not jnp.issubdtype(jnp.result_type(items[0]), jnp.inexact):
-                    items[0] = inner(items[:2])[0]  # integer input (uint8 pixels): cast first
+                # cast to the compute dtype first (a uint8 pixel, a float32 input to a
+                # bfloat16 layer), then quantize: the codes inference computes
+                items[0] = inner(items[:2])[0]
                 items[0] = fake_quant_act(items[0], self.act, self.contract)
         out = inner(items)
         if self.keep_kernel and len(items) >= 2:
