@@ -61,7 +61,7 @@ from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._quantize import dequantize_values
 
-__all__ = ["weight_only_dot", "moot_predicate"]
+__all__ = ["weight_only_dot", "dequantized_in_turn", "moot_predicate"]
 
 _is_q = is_qtensor
 
@@ -236,6 +236,30 @@ def _gemm_ready(qt: QTensor) -> QTensor:
     return dataclasses.replace(qt, qvalue=wide, zero_point=zp)
 
 
+def _scheduled(fn, *args):
+    """``fn(*args)`` in a ``lax.cond`` of two equal branches (see the module docstring): the
+    dequantization of the first `QTensor` of ``args`` inside ``fn`` waits for its dot."""
+    qt = next(a for a in args if _is_q(a))
+    s = qt.scale
+    while _is_q(s):  # a two-level scale: its float32 tensor scale
+        s = s.scale
+    fn = jax.checkpoint(fn)  # gradients dequantize again rather than keep the weight
+    return lax.cond(moot_predicate(s), fn, fn, *args)  # same branches
+
+
+def dequantized_in_turn(fn, *args):
+    """``fn(*args)`` (an op that dequantizes a `QTensor` of ``args``), scheduled on CPU as
+    `weight_only_dot`'s dots are: one layer's float weight live at a time.
+
+    Example:
+      >>> import jax.numpy as jnp, jaxquant as jq
+      >>> qt = jq.quantize(jnp.eye(2))
+      >>> dequantized_in_turn(lambda x, q: x @ q.dequantize(), jnp.ones((1, 2)), qt)
+      Array([[1., 1.]], dtype=float32)
+    """
+    return lax.platform_dependent(*args, cpu=lambda *a: _scheduled(fn, *a), default=fn)
+
+
 def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, out_sharding):
     """``lax.dot_general(lhs, rhs, dims, ...)`` with `QTensor` operands dequantized (traceable).
 
@@ -289,14 +313,6 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         y = y.reshape(y.shape[:k] + (m * per,) + y.shape[k + 2:])
         return lax.slice_in_dim(y, 0, qt.shape[p], axis=k)
 
-    def scheduled(fn, *args):  # see the module docstring: the dequantize waits for its dot
-        qt = next(a for a in args if _is_q(a))
-        s = qt.scale
-        while _is_q(s):  # a two-level scale: its float32 tensor scale
-            s = s.scale
-        fn = jax.checkpoint(fn)  # gradients dequantize again rather than keep the weight
-        return lax.cond(moot_predicate(s), fn, fn, *args)  # same branches
-
     def streamed(lhs, rhs, i: int, rows: int):  # see the module docstring
         c = contract[1 - i][contract[i].index(0)]
 
@@ -308,10 +324,10 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         weight, other = (lhs, rhs) if i == 0 else (rhs, lhs)
         out = np.dtype(preferred_element_type or other.dtype)  # the unstreamed dot's dtype
         acc = out if out.itemsize >= 4 else np.dtype(np.float32)  # sums in float32 at least
-        first = scheduled(part, weight, other, 0)
+        first = _scheduled(part, weight, other, 0)
 
         def step(k, y):
-            return y + scheduled(part, weight, other, k * rows)
+            return y + _scheduled(part, weight, other, k * rows)
 
         n, y = weight.shape[0] // rows, first
         if n <= STREAM_UNROLL:  # a while loop costs more than a few calls
@@ -320,7 +336,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
             y = lax.fori_loop(1, n, step, y)
         if weight.shape[0] % rows:  # a shorter last chunk
             tail = functools.partial(part, rows=weight.shape[0] % rows)
-            y = y + scheduled(tail, weight, other, n * rows)
+            y = y + _scheduled(tail, weight, other, n * rows)
         return y.astype(out)
 
     def cpu(lhs, rhs):
@@ -334,7 +350,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
             rows = stream_rows(weight, contract[i], batch[i], free)
             if rows:
                 return streamed(*((weight, other) if i == 0 else (other, weight)), i, rows)
-        return scheduled(dot, lhs, rhs)
+        return _scheduled(dot, lhs, rhs)
 
     lhs, rhs = (_codes_gathered(op, contract[i], (lhs, rhs)[1 - i], contract[1 - i])
                 for i, op in enumerate((lhs, rhs)))

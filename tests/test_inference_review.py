@@ -212,3 +212,30 @@ def test_nnx_static_act_scale_turns_nan_alike_in_training_and_inference():
     served = np.asarray(nnx_quantize(nnx.Linear(4, 2, rngs=nnx.Rngs(0)), rules)(x))
     assert np.isnan(served).all()
     np.testing.assert_array_equal(np.isnan(trained), np.isnan(served))
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="XLA:CPU scheduling")
+@pytest.mark.parametrize("kind", ["Dense", "Einsum", "nnx.Linear"])
+def test_bfloat16_params_computed_in_float32_dequantize_one_layer_at_a_time(kind):
+    # before: such a kernel (rounded through bfloat16, as training saw it) was dequantized
+    # outside the scheduled dot, and XLA hoisted every layer's: all float weights live at once
+    n, layers, x = 512, 4, jnp.ones((4, 512))
+    if kind == "nnx.Linear":
+        model = nnx.Sequential(*[nnx.Linear(n, n, use_bias=False, param_dtype=jnp.bfloat16,
+                                            dtype=jnp.float32, rngs=nnx.Rngs(i))
+                                 for i in range(layers)])
+        trained = nnx_qat(nnx.clone(model), QuantConfig())(x)
+        graph, state = nnx.split(nnx_quantize(model, QuantConfig()))
+        serve, args = jax.jit(lambda s, v: nnx.merge(graph, s)(v)), (state, x)
+    else:
+        make = (lambda: nn.Dense(n, use_bias=False, param_dtype=jnp.bfloat16, dtype=jnp.float32)
+                ) if kind == "Dense" else (lambda: nn.Einsum(
+                    (n, n), "bd,dk->bk", use_bias=False, param_dtype=jnp.bfloat16, dtype=jnp.float32))
+        model = nn.Sequential([make() for _ in range(layers)])
+        qm = quantize_linen(model, QuantConfig())
+        v = qm.init(jax.random.key(0), x)
+        trained = qm.apply(v, x)
+        serve, args = jax.jit(qm.apply), (qm.quantize_params(v, x), x)
+    mem = serve.lower(*args).compile().memory_analysis()
+    assert mem.temp_size_in_bytes < 2 * n * n * 4, kind  # not four float32 weights
+    np.testing.assert_allclose(np.asarray(serve(*args)), np.asarray(trained), rtol=1e-6, atol=1e-6)

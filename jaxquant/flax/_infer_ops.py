@@ -28,6 +28,7 @@ from jaxquant._packing import unpack
 from jaxquant._qat_dot import QATDotGeneral
 from jaxquant._qtensor import is_qtensor, scale_values
 from jaxquant._quantize import quantize
+from jaxquant._weight_only import dequantized_in_turn
 from jaxquant.flax._ops import QATDot, QATEinsum, explicit_einsum, fake_quant_act
 from jaxquant.flax._rules import ActSpec, layer_errors
 
@@ -59,9 +60,13 @@ def promoted_kernel(qt, dtype):
       ``qt`` itself where dequantizing to ``dtype`` inside the op gives the same
       values, else the array ``qt.dequantize().astype(dtype)``.
     """
-    if not is_qtensor(qt) or qt.dtype == jnp.dtype(dtype) or qt.dtype == jnp.float32:
+    if not _rounds_through_its_dtype(qt, dtype):
         return qt
     return qt.dequantize().astype(dtype)
+
+
+def _rounds_through_its_dtype(qt, dtype) -> bool:
+    return is_qtensor(qt) and qt.dtype not in (jnp.dtype(dtype), jnp.float32)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
@@ -136,11 +141,11 @@ class InferDot(_InferOp):
 
     def __call__(self, lhs, rhs, dimension_numbers, precision=None,
                  preferred_element_type=None, out_sharding=None):
-        if self.act is None:
-            rhs = promoted_kernel(rhs, lhs.dtype)
-        if not is_qtensor(rhs):
-            return lax.dot_general(lhs, rhs, dimension_numbers, precision,
-                                   **_kwargs(out_sharding, preferred_element_type))
+        if not is_qtensor(rhs) or (self.act is None and _rounds_through_its_dtype(rhs, lhs.dtype)):
+            dot = lambda a, b: lax.dot_general(  # noqa: E731
+                a, promoted_kernel(b, a.dtype), dimension_numbers, precision,
+                **_kwargs(out_sharding, preferred_element_type))
+            return dequantized_in_turn(dot, lhs, rhs) if is_qtensor(rhs) else dot(lhs, rhs)
         out = preferred_element_type or lhs.dtype
         int_op = lambda a, b, aq: qdot_general(a, b, dimension_numbers, precision, out,
                                                out_sharding=out_sharding, act_quant=aq)
@@ -155,11 +160,11 @@ class InferEinsum(_InferOp):
 
     def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None,
                  out_sharding=None, **kwargs):
-        if self.act is None:
-            rhs = promoted_kernel(rhs, lhs.dtype)
-        if not is_qtensor(rhs):
-            return jnp.einsum(subscripts, lhs, rhs, precision=precision, **kwargs,
-                              **_kwargs(out_sharding, preferred_element_type))
+        if not is_qtensor(rhs) or (self.act is None and _rounds_through_its_dtype(rhs, lhs.dtype)):
+            op = lambda a, b: jnp.einsum(  # noqa: E731
+                subscripts, a, promoted_kernel(b, a.dtype), precision=precision, **kwargs,
+                **_kwargs(out_sharding, preferred_element_type))
+            return dequantized_in_turn(op, lhs, rhs) if is_qtensor(rhs) else op(lhs, rhs)
         s = explicit_einsum(subscripts, lhs.ndim, rhs.ndim)
         out = preferred_element_type or lhs.dtype
         int_op = lambda a, b, aq: qeinsum(s, a, b, precision=precision,
