@@ -13,7 +13,7 @@ nnx = pytest.importorskip("flax.nnx")
 from jaxpr_utils import find_eqns, integer_convolution  # noqa: E402
 
 import jaxquant as jq  # noqa: E402
-from jaxquant.flax import ActSpec, QuantConfig, nnx_quantize, quantize_linen  # noqa: E402
+from jaxquant.flax import ActSpec, QuantConfig, nnx_qat, nnx_quantize, quantize_linen  # noqa: E402
 
 WA = QuantConfig(act=ActSpec())
 
@@ -311,3 +311,23 @@ def test_linen_dense_general_axes_out_of_order_are_flax_s_sorted_axes(shape, act
     a = x if act is None else jnp.asarray(_np_act(x, (1, 3)), jnp.float32)
     want = model.clone(precision=jax.lax.Precision.HIGHEST).apply(_dequantized(q), a)
     np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
+def test_weight_only_einsum_that_sums_out_an_input_letter_runs():
+    # before: trained and converted, then qeinsum refused 't' (lhs only, not in the output);
+    # weight-only, the layer runs on its dequantized kernel. An int8 ActSpec still refuses
+    # it clearly (its per-token codes would be summed over t).
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 6)), jnp.float32)
+    model = nn.Einsum((6, 7), "btd,df->bf")
+    qm = quantize_linen(model, QuantConfig())
+    v = model.init(jax.random.key(0), x)
+    q = qm.quantize_params(v, x)
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)), np.asarray(qm.apply(v, x)),
+                               rtol=1e-6, atol=1e-6)
+    layer = nnx.Einsum("btd,df->bf", (6, 7), (7,), rngs=nnx.Rngs(0))
+    trained = nnx_qat(nnx.clone(layer), QuantConfig())(x)
+    np.testing.assert_allclose(np.asarray(nnx_quantize(layer, QuantConfig())(x)),
+                               np.asarray(trained), rtol=1e-6, atol=1e-6)
+    w8a8 = quantize_linen(model, QuantConfig(act=ActSpec()))
+    with pytest.raises(ValueError, match="'t' occurs in lhs only"):
+        w8a8.apply(w8a8.quantize_params(v, x), x)

@@ -65,6 +65,19 @@ def promoted_kernel(qt, dtype):
     return qt.dequantize().astype(dtype)
 
 
+def _float_kernel(qt, dtype):
+    """`promoted_kernel`, dequantized to ``dtype`` where that gives the same values."""
+    kernel = promoted_kernel(qt, dtype)
+    return kernel.dequantize(dtype) if is_qtensor(kernel) else kernel
+
+
+def _sums_out_a_letter(subscripts: str) -> bool:
+    """Whether an explicit two-operand equation sums a letter of one operand only (`qeinsum`
+    does not): weight-only, such a layer runs on its dequantized kernel instead."""
+    (a, b), out = subscripts.split("->")[0].split(","), subscripts.split("->")[1]
+    return any(c not in out for c in set(a) ^ set(b))
+
+
 def _rounds_through_its_dtype(qt, dtype) -> bool:
     return is_qtensor(qt) and qt.dtype not in (jnp.dtype(dtype), jnp.float32)
 
@@ -160,12 +173,13 @@ class InferEinsum(_InferOp):
 
     def __call__(self, subscripts, lhs, rhs, precision=None, preferred_element_type=None,
                  out_sharding=None, **kwargs):
-        if not is_qtensor(rhs) or (self.act is None and _rounds_through_its_dtype(rhs, lhs.dtype)):
+        s = explicit_einsum(subscripts, lhs.ndim, rhs.ndim)
+        if not is_qtensor(rhs) or (self.act is None and (
+                _rounds_through_its_dtype(rhs, lhs.dtype) or _sums_out_a_letter(s))):
             op = lambda a, b: jnp.einsum(  # noqa: E731
-                subscripts, a, promoted_kernel(b, a.dtype), precision=precision, **kwargs,
+                subscripts, a, _float_kernel(b, a.dtype), precision=precision, **kwargs,
                 **_kwargs(out_sharding, preferred_element_type))
             return dequantized_in_turn(op, lhs, rhs) if is_qtensor(rhs) else op(lhs, rhs)
-        s = explicit_einsum(subscripts, lhs.ndim, rhs.ndim)
         out = preferred_element_type or lhs.dtype
         int_op = lambda a, b, aq: qeinsum(s, a, b, precision=precision,
                                           preferred_element_type=out, act_quant=aq)
