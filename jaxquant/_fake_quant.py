@@ -197,7 +197,8 @@ def fake_quant(
                 check_zero_point(zero_point, fmt)
     float_zp = given_zero_point and not fmt.is_integer and fmt.bits < 8
     # float4 has no inf or NaN: it clips whatever `saturate` says, and so does the STE
-    config = _Config(fmt, layout, bool(saturate) or fmt.always_saturates, bool(lsq_grad_scale),
+    saturate = bool(saturate) or fmt.always_saturates or (computed and not options.plain)
+    config = _Config(fmt, layout, saturate, bool(lsq_grad_scale),  # (as `quantize`)
                      float_zp, "normal" if computed and options.plain else "any", learned_zp,
                      pow2_input_floor(fmt) if computed and options.pow2 else None)
     return _fake_quant_program(x, scale, zero_point, key, config, options, bool(symmetric))

@@ -123,7 +123,9 @@ def quantize(
       symmetric: computed mode only: symmetric scales, or asymmetric with a
         zero point (integer formats).
       saturate: float formats only: clip to the largest finite value instead
-        of producing NaN/inf (integer and codebook codes always saturate).
+        of producing NaN/inf (integer and codebook codes always saturate; so do
+        finite values in computed mode with a scale stored rounded, ``scale_dtype``
+        or ``double_quant``, which can sit a little below ``absmax / max``).
       packed: 2-, 4- and 6-bit formats: store the codes packed along the last
         axis (a `PackedArray`, as `jaxquant.pack` makes; float6 four codes per
         three bytes), computed without a sub-byte intermediate, the fastest
@@ -302,19 +304,23 @@ def _quantize_computed(x, fmt, layout, symmetric, saturate, packed, options, key
     stored, divisor, zero_point = computed_scale(x, fmt, layout, symmetric, options)
     if options.pow2 and (floor := pow2_input_floor(fmt)) is not None:
         x = jnp.maximum(x, floor)  # no code -(top + 1) at the largest scale: -2**128
-    # float32 scales computed from x are never subnormal (at least 2**-126, 1, inf or NaN)
+    # float32 scales computed from x are never subnormal (at least 2**-126, 1, inf or NaN);
+    # a stored scale rounded below absmax / max (float8, e8m0, two-level) moves the group's
+    # largest finite values past the format's: they saturate, whatever `saturate` says
+    saturate = saturate or not options.plain
     return _record(x, stored, divisor, zero_point, fmt, layout, saturate, packed, key,
                    "normal" if options.plain else "any")
 
 
-def quantize_computed_values(x: jax.Array, fmt: Format, axis, block_size):
-    """(`QTensor` of ``x`` with float32 scales computed per group, its float32 values).
+def quantize_computed_values(x: jax.Array, fmt: Format, axis, block_size, floor: float = 0.0):
+    """(`QTensor` of ``x`` with float32 scales computed per group, at least ``floor``, its
+    float32 values).
 
     Used for the second level of two-level scales (traceable, no checks).
     """
     layout = layout_from_args(x.shape, axis, block_size)
-    qt = _record(x, *computed_scale(x, fmt, layout, True, ScaleOptions())[:2], None, fmt, layout,
-                 True, False, None)
+    scale = jnp.maximum(computed_scale(x, fmt, layout, True, ScaleOptions())[0], floor)
+    qt = _record(x, scale, scale, None, fmt, layout, True, False, None)
     return qt, dequantize_values(qt)
 
 

@@ -302,7 +302,11 @@ def round_to_codes(
         return codes if wide or fmt.bits > 4 else codes.astype(fmt.dtype)
     if not fmt.is_integer:
         if noise is not None:
-            t = stochastic_float(t, fmt, noise)
+            r = stochastic_float(t, fmt, noise)
+            if not (saturate or fmt.always_saturates):  # past the largest finite value only
+                finite = jnp.isfinite(t.astype(fmt.dtype).astype(jnp.float32))  # where RNE is
+                r = jnp.where(finite, jnp.clip(r, -fmt.max_finite, fmt.max_finite), r)
+            t = r
         if zero_point is not None and fmt.bits < 8:
             # All zeros (checked by the caller). ONNX adds it for float4 only; adding it
             # for float8 would turn -0.0 into +0.0.

@@ -259,8 +259,11 @@ def store_scale(scale: jax.Array, amax: jax.Array, fmt: Format, options: ScaleOp
         tiles = _tiles_of(scale.shape, DOUBLE_QUANT_BLOCK) if options.double_quant else None
         # Only finite scales of groups that are not all zeros set the second level.
         finite = jnp.isfinite(amax)  # as isfinite(scale), without keeping scale to read it
+        # second-level scales of at least 2**-126 / the smallest code: every block scale
+        # (code times it) stays normal, which XLA:CPU would flush to 0 (0 / 0: NaN codes)
+        floor = 2.0**-126 / float(ml_dtypes.finfo(inner.dtype).smallest_subnormal)
         nested, _ = quantize_computed_values(jnp.where(finite & (amax > 0), scale, 0), inner,
-                                             None, tiles)
+                                             None, tiles, floor)
         # A block scale too small for float8 next to its group's largest would be 0
         # (and its block all zeros): keep it at the smallest positive code instead. A
         # non-finite group gets the NaN code, selected as bits (a float8 select is

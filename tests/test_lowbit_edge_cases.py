@@ -314,3 +314,56 @@ def test_gptq_takes_a_concrete_0d_damp_and_names_unsupported_schemes():
     for name in ("mxfp4", "nvfp4", "mxint8"):
         with pytest.raises(TypeError, match=f"{name!r} is a block-scaled scheme"):
             jq.gptq(w, h, dtype=name, axis=0, block_size=4)
+
+
+@pytest.mark.parametrize("kw", [dict(double_quant=True), dict(scale_dtype=jnp.float8_e4m3fn),
+                                dict(scale_dtype=jnp.float8_e5m2)])
+@pytest.mark.parametrize("dtype", [jnp.float8_e4m3fn, jnp.float8_e5m2, jnp.int8])
+def test_two_level_scales_of_tiny_tensors_keep_zero_blocks_zero(kw, dtype):
+    # before: a block scale (its smallest code times a second-level scale near 2**-126) fell
+    # below float32's normals, XLA:CPU flushed it to 0, and zero blocks became 0 / 0 = NaN
+    x = np.zeros((2, 64), np.float32)
+    x[0, :16] = 1e-33
+    x[1, 20:24] = -3e-36
+    qt = jq.quantize(jnp.asarray(x), dtype=dtype, axis=-1, block_size=16, **kw)
+    back = np.asarray(jq.dequantize(qt))
+    assert np.isfinite(back).all()
+    np.testing.assert_array_equal(back[x == 0], 0)
+    assert (back[x != 0] != 0).all()  # nonzero blocks not flushed
+    if dtype != jnp.float8_e5m2:  # its block scales (absmax / 57344) sit at float32's normals
+        np.testing.assert_allclose(back, x, rtol=0.13, atol=0)
+    np.testing.assert_array_equal(np.asarray(jq.fake_quant(jnp.asarray(x), dtype=dtype, axis=-1,
+                                                           block_size=16, **kw)), back)
+
+
+@pytest.mark.parametrize("kw", [dict(double_quant=True), dict(scale_dtype=jnp.float8_e4m3fn),
+                                dict(scale_dtype=jnp.float8_e5m2),
+                                dict(scale_dtype=jnp.float8_e8m0fnu), dict()])
+def test_computed_scales_stored_rounded_never_push_finite_inputs_to_nan(kw):
+    # before: with saturate=False, a block scale rounded below absmax / 448 put the block's
+    # largest quotients past 464, and the non-saturating cast made them NaN
+    x = jax.random.normal(jax.random.key(0), (64, 64))
+    for dtype in (jnp.float8_e4m3fn, jnp.float8_e5m2):
+        qt = jq.quantize(x, dtype=dtype, axis=-1, block_size=16, saturate=False, **kw)
+        assert np.isfinite(np.asarray(jq.dequantize(qt))).all(), (dtype, kw)
+        fq = jq.fake_quant(x, dtype=dtype, axis=-1, block_size=16, saturate=False, **kw)
+        np.testing.assert_array_equal(np.asarray(fq), np.asarray(jq.dequantize(qt)))
+    mx = jq.quantize(x, dtype="mxfp8_e4m3", saturate=False)
+    assert np.isfinite(np.asarray(jq.dequantize(mx))).all()
+    # explicit scales keep their meaning: past the largest value is NaN without saturation
+    over = jq.quantize(jnp.array([500.0]), jnp.float32(1.0), dtype=jnp.float8_e4m3fn,
+                       saturate=False)
+    assert np.isnan(np.asarray(jq.dequantize(over))).all()
+
+
+@pytest.mark.parametrize("dtype,value,top", [(jnp.float8_e4m3fn, 450.0, 448.0),
+                                             (jnp.float8_e5m2, 58000.0, 57344.0)])
+def test_stochastic_rounding_without_saturation_stays_finite_where_nearest_does(dtype, value, top):
+    # before: the upper neighbour of a value between the largest code and the overflow
+    # threshold was one step past the format (480): NaN or inf for 6-7% of the draws
+    x = jnp.full((4096,), value)
+    qt = jq.quantize(x, jnp.float32(1.0), dtype=dtype, saturate=False, key=jax.random.key(0))
+    np.testing.assert_array_equal(np.asarray(jq.dequantize(qt)), top)
+    far = jq.quantize(jnp.full((64,), 2 * top), jnp.float32(1.0), dtype=dtype, saturate=False,
+                      key=jax.random.key(1))  # beyond it, as round to nearest: not finite
+    assert not np.isfinite(np.asarray(jq.dequantize(far))).any()
