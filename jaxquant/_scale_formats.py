@@ -126,7 +126,8 @@ def scale_options(scale_dtype: DTypeLike | None, scale_rounding: str, double_qua
     if double_quant and dt is not None and dt.name not in ("float32", "float8_e4m3fn",
                                                            "float8_e5m2"):
         raise ValueError(f"double_quant quantizes float32 scales to float8; it cannot be "
-                         f"combined with scale_dtype={dt.name}.")
+                         f"combined with scale_dtype={dt.name} (given, or the format's own: "
+                         f"MX formats store float8_e8m0fnu scales).")
     if not options.plain and not symmetric:
         raise ValueError("scale_dtype and double_quant need symmetric=True (no zero point).")
     return options

@@ -285,3 +285,11 @@ def test_a_traced_python_int_zero_point_is_refused_not_wrapped():
     x = jnp.ones(4)
     with pytest.raises(TypeError, match=r"a Python int traced by jit: pass it as jnp\.uint4 "):
         jax.jit(lambda z: jq.quantize(x, 0.1, z, dtype=jnp.uint4))(300)
+
+
+@pytest.mark.parametrize("kw", [dict(dtype="mxfp4"), dict(scale_dtype=jnp.float8_e8m0fnu)])
+def test_double_quant_with_e8m0_scales_says_where_they_come_from(kw):
+    # before: "mxfp4" named a scale_dtype the user never passed (the scheme's own)
+    with pytest.raises(ValueError, match=r"cannot be combined with scale_dtype=float8_e8m0fnu "
+                                         r"\(given, or the format's own"):
+        jq.quantize(jnp.ones((2, 64)), double_quant=True, **kw)
