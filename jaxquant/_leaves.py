@@ -61,9 +61,13 @@ def eval_shape_sharded(fn, *args):
     if all(o.sharding is not None for o in jax.tree.leaves(out)):  # Explicit axes
         meshes = {m.abstract_mesh: m for m in (getattr(s, "mesh", None) for s in given)
                   if isinstance(m, jax.sharding.Mesh)}  # the devices, not only the axes
-        return jax.tree.map(lambda o: o.update(sharding=o.sharding.update(
-            mesh=meshes.get(o.sharding.mesh, o.sharding.mesh))) if isinstance(
-                o.sharding, jax.sharding.NamedSharding) else o, out)
+
+        def concrete(o):
+            mesh = getattr(o.sharding, "mesh", None)
+            return o.update(sharding=o.sharding.update(mesh=meshes[mesh])) \
+                if mesh in meshes else o
+
+        return jax.tree.map(concrete, out)
     shardings = jax.jit(fn).lower(*args).compile().output_shardings
     return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s,
                                                           weak_type=o.weak_type),

@@ -27,8 +27,7 @@ import numpy as np
 from jaxquant._args import as_array
 from jaxquant._bits import pack_bits, pack_fields
 from jaxquant._formats import FORMATS
-from jaxquant._leaves import stacked_axes, unbox_records
-from jaxquant._leaves import unbox_record as _unbox
+from jaxquant._leaves import stacked_axes, unbox_record, unbox_records
 from jaxquant._packing import PackedArray
 from jaxquant._qtensor import QTensor, is_qtensor
 from jaxquant._tree import is_record, path_str
@@ -115,7 +114,7 @@ def rebox_records(target: Any, tree: Any) -> Any:
         return tree
 
     def rebox(t, x):
-        if not is_record(t) or _unbox(t) is t:
+        if not is_record(t) or unbox_record(t) is t:
             return x
         return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(t),
                                             jax.tree_util.tree_leaves(x))

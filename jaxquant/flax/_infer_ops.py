@@ -57,18 +57,13 @@ def promoted_kernel(qt, dtype):
       dtype: the dtype the layer computes in.
 
     Returns:
-      ``qt`` itself where dequantizing to ``dtype`` inside the op gives the same
-      values, else the array ``qt.dequantize().astype(dtype)``.
+      The float kernel in ``dtype``: ``qt.dequantize().astype(dtype)`` where that
+      rounding matters, else ``qt.dequantize(dtype)``.
     """
-    if not _rounds_through_its_dtype(qt, dtype):
+    if not is_qtensor(qt):
         return qt
-    return qt.dequantize().astype(dtype)
-
-
-def _float_kernel(qt, dtype):
-    """`promoted_kernel`, dequantized to ``dtype`` where that gives the same values."""
-    kernel = promoted_kernel(qt, dtype)
-    return kernel.dequantize(dtype) if is_qtensor(kernel) else kernel
+    return qt.dequantize().astype(dtype) if _rounds_through_its_dtype(qt, dtype) \
+        else qt.dequantize(dtype)
 
 
 def _sums_out_a_letter(subscripts: str) -> bool:
@@ -177,7 +172,7 @@ class InferEinsum(_InferOp):
         if not is_qtensor(rhs) or (self.act is None and (
                 _rounds_through_its_dtype(rhs, lhs.dtype) or _sums_out_a_letter(s))):
             op = lambda a, b: jnp.einsum(  # noqa: E731
-                subscripts, a, _float_kernel(b, a.dtype), precision=precision, **kwargs,
+                subscripts, a, promoted_kernel(b, a.dtype), precision=precision, **kwargs,
                 **_kwargs(out_sharding, preferred_element_type))
             return dequantized_in_turn(op, lhs, rhs) if is_qtensor(rhs) else op(lhs, rhs)
         out = preferred_element_type or lhs.dtype
