@@ -6,13 +6,15 @@ for the output's sharding wherever a reshape splits or merges axes.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 __all__ = ["explicit_sharding", "explicit_spec", "spec_of", "reshape_sharded", "replicated_along",
-           "reshard_like", "sharding_with_spec"]
+           "reshard_like", "sharding_with_spec", "shard_ways"]
 
 
 def explicit_sharding(x):
@@ -20,6 +22,14 @@ def explicit_sharding(x):
     sharding = getattr(jax.typeof(x), "sharding", None)
     spec = getattr(sharding, "spec", None)
     return sharding if spec and any(p is not None for p in spec) else None
+
+
+def shard_ways(names, sizes) -> int:
+    """How many shards the mesh axes ``names`` (one name, a tuple of names or ``None``) split
+    an array axis into, with ``sizes`` the mesh's axis sizes by name."""
+    if names is None:
+        return 1
+    return math.prod(sizes[n] for n in (names if isinstance(names, tuple) else (names,)))
 
 
 def spec_of(x) -> tuple:

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxquant._explicit_sharding import explicit_sharding, reshape_sharded, spec_of
+from jaxquant._explicit_sharding import explicit_sharding, reshape_sharded, shard_ways, spec_of
 
 __all__ = ["Layout", "layout_from_scale", "layout_from_args", "expand", "group_reduce",
            "apply_grouped", "squeeze_tensor_scale", "explicit_sharding", "check_block_size"]
@@ -265,8 +265,7 @@ def _on_groups_of(g, x: jax.Array, layout: Layout):
     if layout.kind == "axis":
         want = (spec[layout.axis],)
     else:  # whole blocks (tiles) per shard, else that axis of g whole on every device
-        ways = [math.prod(sizes[a] for a in (n if isinstance(n, tuple) else (n,)))
-                if n is not None else 1 for n in spec]
+        ways = [shard_ways(n, sizes) for n in spec]
         want = tuple(n if c % w == 0 and w > 1 else None  # a size-1 mesh axis splits nothing
                      for n, c, w in zip(spec, g.shape, ways, strict=True))
     current = tuple(have.spec) + (None,) * (g.ndim - len(have.spec))
@@ -294,8 +293,7 @@ def _to_tiles(x: jax.Array, layout: Layout, pad_value: float = 0.0) -> jax.Array
     spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
     sizes, placed = dict(sharding.mesh.shape), []
     for names, n, b in zip(spec, counts, tiles, strict=True):
-        ways = math.prod(sizes[a] for a in (names if isinstance(names, tuple) else (names,))) \
-            if names is not None else 1
+        ways = shard_ways(names, sizes)
         if n % ways == 0:
             placed += [names, None]  # whole tiles per shard
         elif n == 1 and b % ways == 0:

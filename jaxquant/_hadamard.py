@@ -26,7 +26,6 @@ well as 512).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -35,7 +34,12 @@ from jax import lax
 from jax.typing import ArrayLike
 
 from jaxquant._args import as_array
-from jaxquant._explicit_sharding import replicated_along, reshape_sharded, spec_of
+from jaxquant._explicit_sharding import (
+    replicated_along,
+    reshape_sharded,
+    shard_ways,
+    spec_of,
+)
 from jaxquant._qtensor import is_qtensor
 
 __all__ = ["hadamard_transform"]
@@ -171,8 +175,7 @@ def _blocks_on_devices(moved: jax.Array, count: int) -> jax.Array:
     spec = spec_of(moved)
     if spec[-1] is None:
         return moved
-    names = spec[-1] if isinstance(spec[-1], tuple) else (spec[-1],)
     mesh = jax.typeof(moved).sharding.mesh
-    if count % math.prod(mesh.shape[a] for a in names) == 0:
+    if count % shard_ways(spec[-1], dict(mesh.shape)) == 0:
         return moved
     return replicated_along(moved, moved.ndim - 1)

@@ -11,8 +11,7 @@ documented (the sharding is propagated by XLA, not known when tracing).
 
 from __future__ import annotations
 
-import math
-
+from jaxquant._explicit_sharding import shard_ways
 from jaxquant._granularity import Layout, explicit_sharding
 
 __all__ = ["check_shards_fit"]
@@ -52,7 +51,7 @@ def check_shards_fit(x, layout: Layout, pack_group: int | None, *, pack_axis: in
         if names is None or axis >= x.ndim:
             continue
         names = names if isinstance(names, tuple) else (names,)
-        ways = math.prod(sizes[n] for n in names)
+        ways = shard_ways(names, sizes)
         if ways == 1 or x.shape[axis] % ways:
             continue  # one shard: nothing to straddle; uneven shards: JAX's own checks apply
         per = x.shape[axis] // ways
