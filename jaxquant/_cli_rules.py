@@ -59,8 +59,9 @@ def parse_spec(text: str) -> QuantSpec | None:
     seen: set[str] = set()
     for opt in options:
         key, eq, value = opt.partition("=")
-        if eq and not value and key in _VALUED:
-            raise ValueError(f"{opt!r} in {text!r} needs a value after '=', for example "
+        if not value and key in _VALUED:
+            after = " after '='" if eq else ""
+            raise ValueError(f"{opt!r} in {text!r} needs a value{after}, for example "
                              f"{_VALUED[key]!r}.")
         _check_option(key, seen, opt, text)
         if key == "axis" and value:
@@ -197,13 +198,26 @@ def rule_warnings(tree, rules: list[tuple[str, QuantSpec | None]]) -> list[str]:
                         f"(kept as they are)")
         elif spec is not None and spec.axis is not None and _block(spec) is None:
             vectors = [name for name, x in mine if _is_float(x) and not is_record(x)
-                       and getattr(x, "ndim", 0) - (spec.stacked or 0) == 1]
+                       and getattr(x, "ndim", 0) - (spec.stacked or 0) == 1
+                       and _grows(spec, x)]
             if vectors:
                 grown.append(f"rule {pattern!r} gives {len(vectors)} 1-D tensor(s) "
                              f"({vectors[0]!r}...) one scale per element (axis={spec.axis}), "
                              f"larger than they were: exempt them with an earlier rule "
                              f"(e.g. 'ln_|norm=none') or use axis=none")
     return idle + kept + grown
+
+
+def _grows(spec, x) -> bool:
+    """Whether ``spec`` stores ``x`` in more bytes than ``x`` itself (codes plus scales)."""
+    import jax
+
+    from jaxquant._tree import leaf_nbytes, tree_nbytes
+
+    try:
+        return tree_nbytes(jax.eval_shape(spec, x)) > leaf_nbytes(x)
+    except (TypeError, ValueError):
+        return False  # a spec that cannot take x: the conversion itself says why
 
 
 def _block(spec):

@@ -152,6 +152,18 @@ def test_a_per_axis_rule_that_takes_1d_tensors_warns_that_they_grow(tmp_path, ca
         assert capsys.readouterr().err == "", rules
 
 
+@pytest.mark.parametrize("spec", ["int8:scale=bfloat16", "int8:scale=float8_e8m0fnu",
+                                  "int4:packed:dq", "float8_e4m3fn:scale=float8_e4m3fn"])
+def test_a_per_axis_rule_whose_1d_tensors_shrink_does_not_warn(tmp_path, capsys, spec):
+    """The "larger than they were" warning fired for any per-axis rule on a 1-D tensor,
+    also where narrow scales make it smaller (int8 with bfloat16 scales: 0.75x)."""
+    src, dst = str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")
+    safetensors_numpy.save_file({"ln.weight": np.linspace(-1, 1, 384, dtype=np.float32)}, src)
+    assert _cli.main(["quantize", src, dst, "--quiet", "--rules", f"weight={spec}"]) == 0
+    assert capsys.readouterr().err == ""
+    assert jq.tree_nbytes(jq.load_safetensors(dst)) < 384 * 4  # no warning: it did shrink
+
+
 def test_report_numbers_match_numpy(tmp_path, capsys):
     """Bytes, SQNR and largest error of every dtype and shape, recomputed in float64."""
     rng = np.random.default_rng(2)

@@ -57,6 +57,10 @@ def test_help_says_how_out_is_replaced_and_what_the_exit_statuses_are(capsys):
     ("none:axis=0", r"'none:axis=0': 'none' \(keep the tensor\) takes no options, got 'axis=0'"),
     ("int8:axis=", r"'axis=' in 'int8:axis=' needs a value after '=', for example 'axis=0'"),
     ("int4:block=:packed", r"'block=' in 'int4:block=:packed' needs a value"),
+    # a valued option with no '=' at all is not "unknown" (and no "did you mean" itself)
+    ("int8:axis", r"^'axis' in 'int8:axis' needs a value, for example 'axis=0'\.$"),
+    ("int4:block:packed", r"^'block' in 'int4:block:packed' needs a value, for example"),
+    ("int8:scale", r"^'scale' in 'int8:scale' needs a value, for example 'scale=bfloat16'"),
 ])
 def test_spec_errors_say_what_was_meant(text, message):
     with pytest.raises(ValueError, match=message):
