@@ -92,6 +92,16 @@ def parse_rounds(doc: str, argv: Sequence[str] | None, *, flag: str = "--rounds"
     return args
 
 
+def check_at_least_one(parser: argparse.ArgumentParser, args: argparse.Namespace,
+                       *names: str) -> None:
+    """``parser.error`` (exit status 2) for each of ``args.<name>`` (``--rounds``,
+    ``--calls``...) below 1: no median of no rounds, no time per call of no calls."""
+    for name in names:
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1, "
+                         f"got {getattr(args, name)}")
+
+
 def command(module: str, argv: Sequence[str] | None) -> str:
     """The command line that ran ``benchmarks.<module>`` with ``argv`` (``None``: ``sys.argv``)."""
     args = sys.argv[1:] if argv is None else argv

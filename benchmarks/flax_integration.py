@@ -43,9 +43,15 @@ import jaxquant as jq
 from jaxquant.flax import ActSpec, QuantConfig, quantize_linen
 
 try:  # python -m benchmarks.flax_integration
-    from benchmarks._harness import call_repeatedly, machine_info, run_rounds, write_atomic
+    from benchmarks._harness import (
+        call_repeatedly,
+        check_at_least_one,
+        machine_info,
+        run_rounds,
+        write_atomic,
+    )
 except ImportError:  # python benchmarks/flax_integration.py
-    from _harness import call_repeatedly, machine_info, run_rounds, write_atomic
+    from _harness import call_repeatedly, check_at_least_one, machine_info, run_rounds, write_atomic
 
 WIDTH, BATCH, LAYERS = 1024, 256, 4
 W8A8 = QuantConfig(act=ActSpec())
@@ -151,6 +157,7 @@ def main(argv=None) -> None:
                         default=pathlib.Path(__file__).parent / "results",
                         help="output folder (default benchmarks/results)")
     args = parser.parse_args(argv)
+    check_at_least_one(parser, args, "rounds", "calls")
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((BATCH, WIDTH), np.float32))
     y = jnp.asarray(rng.standard_normal((BATCH, WIDTH), np.float32))

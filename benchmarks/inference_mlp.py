@@ -43,13 +43,21 @@ from jaxquant._einsum import qeinsum
 try:  # python -m benchmarks.inference_mlp
     from benchmarks._harness import (
         call_repeatedly,
+        check_at_least_one,
         command,
         machine_info,
         ratio_record,
         write_report,
     )
 except ImportError:  # python benchmarks/inference_mlp.py
-    from _harness import call_repeatedly, command, machine_info, ratio_record, write_report
+    from _harness import (
+        call_repeatedly,
+        check_at_least_one,
+        command,
+        machine_info,
+        ratio_record,
+        write_report,
+    )
 
 WIDTH, BATCH, LAYERS = 1024, 32, 4
 DN = (((1,), (0,)), ((), ()))
@@ -252,6 +260,7 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     args = parser.parse_args(argv)
+    check_at_least_one(parser, args, "rounds", "calls")
     try:
         result = run(args.rounds, args.calls)
     except Exception:

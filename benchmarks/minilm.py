@@ -61,7 +61,7 @@ import jaxquant as jq
 
 try:  # python -m benchmarks.minilm
     from benchmarks import minilm_model, minilm_qat, minilm_reference
-    from benchmarks._harness import machine_info, write_report
+    from benchmarks._harness import check_at_least_one, machine_info, write_report
     from benchmarks.minilm_calibration import (
         calibration_sentences,
         calibration_texts,
@@ -72,7 +72,7 @@ except ImportError:  # python benchmarks/minilm.py
     import minilm_model
     import minilm_qat
     import minilm_reference
-    from _harness import machine_info, write_report
+    from _harness import check_at_least_one, machine_info, write_report
     from minilm_calibration import (
         calibration_sentences,
         calibration_texts,
@@ -396,6 +396,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args(argv)
+    check_at_least_one(parser, args, "rounds", "calls")
     result = run(args.rounds, args.calls, args.qat_steps)
     write_report(args.out, "minilm", result, markdown(result))
 

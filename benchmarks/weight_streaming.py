@@ -34,9 +34,9 @@ import jaxquant as jq
 from jaxquant import _weight_only
 
 try:  # python -m benchmarks.weight_streaming
-    from benchmarks._harness import machine_info, run_rounds, write_report
+    from benchmarks._harness import check_at_least_one, machine_info, run_rounds, write_report
 except ImportError:  # python benchmarks/weight_streaming.py
-    from _harness import machine_info, run_rounds, write_report
+    from _harness import check_at_least_one, machine_info, run_rounds, write_report
 
 SHAPES = ((1024, 1), (1024, 32), (1024, 128), (1024, 512), (4096, 1), (4096, 32), (4096, 256))
 """``(width, rows)`` pairs."""
@@ -138,6 +138,7 @@ def main(argv=None) -> None:
     parser.add_argument("--out", type=pathlib.Path,
                         default=pathlib.Path(__file__).parent / "results")
     args = parser.parse_args(argv)
+    check_at_least_one(parser, args, "rounds", "calls")
     load_before, start = os.getloadavg()[0], time.perf_counter()
     rows = [r for width, n in args.shapes for r in measure(width, n, args.rounds, args.calls)]
     result = {

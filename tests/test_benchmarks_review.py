@@ -11,6 +11,7 @@ computes jaxquant's codes and scales bit for bit, and that timed calls are waite
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.util
 import os
 import pathlib
@@ -195,3 +196,19 @@ def test_reports_record_command_device_and_peer_threads():
     assert _harness.command("run", ["--size", "256"]) == "python -m benchmarks.run --size 256"
     # the host peers get the cores XLA:CPU's thread pool gets, not a fixed 2
     assert _peers.THREADS == len(os.sched_getaffinity(0))
+
+
+@pytest.mark.parametrize("module,flags", [
+    ("inference_mlp", ["--rounds", "0"]), ("inference_mlp", ["--calls", "0"]),
+    ("qat_mlp", ["--rounds", "0"]), ("qat_mlp", ["--steps", "-1"]),
+    ("flax_integration", ["--calls", "0"]), ("minilm", ["--rounds", "0"]),
+    ("weight_streaming", ["--rounds", "0"]), ("weight_streaming", ["--calls", "0"]),
+])
+def test_no_rounds_or_calls_is_a_usage_error_before_any_work(module, flags, capsys):
+    """--rounds 0 ran the whole setup, then died on `statistics.median([])` (--calls 0 on a
+    division by zero); argparse refuses it now, exit status 2, naming the flag."""
+    main = importlib.import_module(f"benchmarks.{module}").main
+    with pytest.raises(SystemExit) as stop:
+        main([*flags, "--out", "/nonexistent"])
+    assert stop.value.code == 2
+    assert f"{flags[0]} must be at least 1, got {flags[1]}" in capsys.readouterr().err
