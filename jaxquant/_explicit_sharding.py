@@ -79,7 +79,7 @@ def reshard_like(v: jax.Array, acc: jax.Array) -> jax.Array:
     a scale's axis may be sharded where ``acc``'s is not (blocks of the weight sharded on
     the mesh axis of the activation's rows), and JAX rejects their product."""
     spec, target = explicit_spec(v), explicit_spec(acc)
-    if spec is None or target is None:
+    if spec is None or target is None or v.ndim != acc.ndim:  # a scalar: on every device
         return v
     want = tuple(t if n == m else None for t, n, m in zip(target, v.shape, acc.shape,
                                                           strict=True))

@@ -229,3 +229,26 @@ def test_learned_block_scales_sharded_unlike_the_input(x_spec, s_spec):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(jq.fake_quant(x, s, axis=1, block_size=4)),
                                   np.asarray(jq.fake_quant(x0, s0, axis=1, block_size=4)))
+
+
+@pytest.mark.parametrize("kw", [{}, {"dtype": jnp.uint8}, {"dtype": jnp.float8_e4m3fn},
+                                {"scale": jnp.float32(0.01)}])
+def test_per_tensor_fake_quant_of_an_explicitly_sharded_input(kw):
+    # before: a per-tensor scale (rank 0) was "resharded like" x, rank 2: an internal
+    # zip() ValueError, forward and backward; quantize of the same x worked
+    mesh = host_mesh((2, 4), ("d", "m"), Explicit)
+    x0 = _x(16, 32)
+    x = jax.device_put(x0, NamedSharding(mesh, P("d", "m")))
+    kw = dict(kw)
+    scale = kw.pop("scale", None)
+
+    def loss(v):
+        return jnp.sum(jnp.sin(jq.fake_quant(v, scale, **kw)))
+
+    fn = jax.jit(jax.value_and_grad(loss))
+    got, want = fn(x), fn(x0)
+    assert _spec(got[1]) == _spec(x)
+    np.testing.assert_array_equal(np.asarray(jq.fake_quant(x, scale, **kw)),
+                                  np.asarray(jq.fake_quant(x0, scale, **kw)))
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)  # sum order
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
