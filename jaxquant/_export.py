@@ -57,6 +57,8 @@ def _packed_aux(aux) -> bytes:
 
 def _packed_from(data: bytes):
     dtype, back, bits, pad, stated = _tuples(json.loads(data))
+    if isinstance(pad, int):  # written before the byte length joined the padding
+        pad = (pad, None)
     return _dtype(dtype), back, bits, pad, stated
 
 

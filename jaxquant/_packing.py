@@ -44,7 +44,10 @@ class PackedArray:
       data: the packed bytes (the only array child).
       dtype: the code format (static).
       shape: the logical, unpacked shape (static); rebuilt from the bytes a transform
-        hands over (a layer's in ``vmap``, a shard's in ``jax.shard_map``).
+        hands over (a layer's in ``vmap``, a shard's in ``jax.shard_map``), so transforms
+        may add or remove axes in front of the packed one only (``vmap`` ``in_axes`` /
+        ``out_axes`` there), and split it into shards only where the bytes hold no padding
+        (a ValueError otherwise).
       axis: the packed axis, non-negative (static).
       bits: the code width when ``dtype`` does not say it (6-bit codes held
         as uint8: float6); ``None`` otherwise (static).
@@ -110,25 +113,40 @@ def _codes_in(nbytes: int, bits: int) -> int:
 
 def _flatten(p: PackedArray):
     """The bytes, and metadata without the shape (the packed axis counted from the end, the
-    last byte's padding codes): the shape follows from the bytes a transform hands over."""
+    last byte's padding codes and, with padding, the bytes along that axis): the shape
+    follows from the bytes a transform hands over (layers stacked in front, shards of whole
+    padding-free bytes)."""
     if p.shape is None:  # a tree map's leaves (specs, None) in place of the bytes
         return (p.data,), p._aux
     bits = p.bits or get_format(p.dtype).bits
     n, m = len(p.shape), p.shape[p.axis] if 0 <= p.axis < len(p.shape) else 0
-    pad = _codes_in(packed_length(m, bits), bits) - m
-    fits = getattr(p.data, "shape", None) == p.shape[:p.axis] + (packed_length(m, bits),) \
-        + p.shape[p.axis + 1:]
+    nbytes = packed_length(m, bits)
+    pad = _codes_in(nbytes, bits) - m
+    fits = getattr(p.data, "shape", None) == p.shape[:p.axis] + (nbytes,) + p.shape[p.axis + 1:]
     # bytes that do not fit the shape keep it, so that `check_packed` still sees the mismatch
-    return (p.data,), (p.dtype, p.axis - n, p.bits, pad, None if fits else (p.shape, p.axis))
+    # the byte length only with padding: shards of padding-free bytes have the same metadata
+    return (p.data,), (p.dtype, p.axis - n, p.bits, (pad, nbytes if pad else None),
+                       None if fits else (p.shape, p.axis))
 
 
 def _unflatten(aux, children) -> PackedArray:
-    (dtype, back, bits, pad, stated), (data,) = aux, children
+    (dtype, back, bits, (pad, nbytes), stated), (data,) = aux, children
     p = object.__new__(PackedArray)
     shape, axis = stated or (None, None)
     dims = getattr(data, "shape", None)
-    if stated is None and isinstance(dims, tuple) and len(dims) >= -back:
+    if stated is None and isinstance(dims, tuple) and dims:
+        if len(dims) < -back:
+            raise ValueError(f"packed codes: bytes of shape {dims} have no axis {back} (the "
+                             f"packed axis, counted from the end); jax.vmap / jax.lax.scan "
+                             f"may map over the axes in front of the packed one only.")
         axis = len(dims) + back
+        if pad and nbytes is not None and dims[axis] != nbytes:
+            raise ValueError(
+                f"packed codes: {nbytes} bytes along the packed axis hold {pad} padding "
+                f"code(s) in their last byte, and came back as {dims[axis]} (bytes of shape "
+                f"{dims}): split across shards (jax.shard_map) every shard would end in "
+                f"padding, mapped over (jax.vmap out_axes) the axes would be mixed up. Pack "
+                f"along an axis whose length fills whole bytes, or do not split that axis.")
         count = _codes_in(dims[axis], bits or get_format(dtype).bits) - pad
         shape = dims[:axis] + (count,) + dims[axis + 1:]
     for k, v in zip(("data", "dtype", "shape", "axis", "bits", "_aux"),
@@ -141,7 +159,8 @@ def layers_of_packed(data, dtype: np.dtype, shape: tuple[int, ...], axis: int,
                      bits: int | None) -> PackedArray:
     """A `PackedArray` of one layer's ``shape`` and ``axis`` over ``data`` that holds layers
     stacked along leading axes (as `jax.vmap` returns them), for a `QTensor` of such layers."""
-    return _unflatten((np.dtype(dtype), axis - len(shape), bits, 0, (shape, axis)), (data,))
+    return _unflatten((np.dtype(dtype), axis - len(shape), bits, (0, None), (shape, axis)),
+                      (data,))
 
 
 _with_keys = lambda p: (((jax.tree_util.GetAttrKey("data"), p.data),), _flatten(p)[1])  # noqa: E731

@@ -100,3 +100,16 @@ def test_a_packed_array_built_with_numpy_ints_serializes():
     assert type(p.axis) is int and all(type(d) is int for d in p.shape)
     exported = jax.export.export(jax.jit(lambda p: p.unpack()))(p)
     np.testing.assert_array_equal(jax.export.deserialize(exported.serialize()).call(p), codes)
+
+
+def test_packed_metadata_serialized_before_the_byte_length_still_loads():
+    """The serialized metadata of a `PackedArray` gained the byte length along the packed
+    axis (padded codes only); functions exported before read back with it unknown."""
+    from jaxquant import _export
+
+    old = _export._packed_from(b'["int4", -1, null, 1, null]')
+    assert old == (jnp.dtype("int4"), -1, None, (1, None), None)
+    p = jq.pack(jnp.array([[1, -2, 3]], jnp.int4))
+    aux = jax.tree_util.tree_flatten(p)[1].node_data()[1]
+    assert _export._packed_from(_export._packed_aux(aux)) == aux == (
+        jnp.dtype("int4"), -1, None, (1, 2), None)

@@ -116,3 +116,23 @@ def test_packed_array_six_bit_codes_by_hand():
 
     p = jq.PackedArray(pack_fields(codes, 6, 1), jnp.uint8, (1, 5), 1, 6)
     np.testing.assert_array_equal(p.unpack(), codes)
+
+
+def test_vmap_out_axes_inside_packed_bytes_is_refused_where_padding_would_mix_axes():
+    # before: vmap(pack, out_axes=1) over 4 rows of 5 int4 codes gave a PackedArray of
+    # shape (3, 7) whose codes were garbage; the bytes came back with the batch axis where
+    # the packed axis was counted
+    codes = (jnp.arange(20, dtype=jnp.int8).reshape(4, 5) % 8).astype(jnp.int4)
+    with pytest.raises(ValueError, match=r"3 bytes along the packed axis hold 1 padding"):
+        jax.vmap(jq.pack, out_axes=1)(codes)
+    got = jax.vmap(jq.pack)(codes)  # stacked in front: the supported way
+    np.testing.assert_array_equal(np.asarray(got.unpack()), np.asarray(codes))
+
+
+def test_vmap_over_an_axis_behind_the_packed_one_is_a_clear_error():
+    # before: TypeError: 'NoneType' object is not iterable, from check_packed
+    q = jq.pack(jq.quantize(jnp.linspace(-1, 1, 30).reshape(5, 6), dtype=jnp.int4), 0)
+    in_axes = jax.tree.map(lambda a: 1 if a.ndim == 2 else None, q)
+    with pytest.raises(ValueError, match=r"bytes of shape \(3,\) have no axis -2 .*in front "
+                                         r"of the packed one only"):
+        jax.vmap(jq.dequantize, in_axes=(in_axes,), out_axes=1)(q)

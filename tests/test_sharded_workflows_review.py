@@ -97,6 +97,32 @@ def test_shard_map_quantize_and_dequantize_match_one_device(mesh):
             np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(want[k]))
 
 
+@pytest.mark.parametrize("dtype,length", [(jnp.int4, 15), (jnp.int2, 13),
+                                          ("float6_e2m3fn", 14)])
+def test_shard_map_refuses_packed_bytes_with_padding_split_along_the_packed_axis(
+        mesh, dtype, length):
+    # before: every shard was rebuilt as if its last byte held the whole tensor's padding:
+    # (2, 15) int4 codes in 4 shards of 2 bytes came back as (2, 12), codes silently lost;
+    # packing 3 codes a shard inside gave (2, 15) with a padding code in every shard
+    qt = jq.quantize(_x(2, length), dtype=dtype, axis=0, packed=True)
+    specs = _specs(qt, P(None, "model"), P())
+    placed = jax.device_put(qt, jax.tree.map(lambda s: NamedSharding(mesh, s), specs))
+    into = jax.shard_map(jq.dequantize, mesh=mesh, in_specs=(specs,),
+                         out_specs=P(None, "model"))
+    with pytest.raises(ValueError, match=r"bytes along the packed axis hold \d padding"):
+        into(placed)
+    codes = jnp.arange(24, dtype=jnp.int8).reshape(2, 12).astype(jnp.int4) % 8
+    out_of = jax.shard_map(jq.pack, mesh=mesh, in_specs=P(None, "model"),
+                           out_specs=P(None, "model"))  # 3 codes a shard: 2 bytes, 1 padding
+    with pytest.raises(ValueError, match=r"2 bytes along the packed axis hold 1 padding"):
+        out_of(jax.device_put(codes, NamedSharding(mesh, P(None, "model"))))
+    # padding-free shards (4 codes a shard: 2 whole bytes) cross as before
+    codes = jnp.arange(32, dtype=jnp.int8).reshape(2, 16).astype(jnp.int4) % 8
+    got = out_of(jax.device_put(codes, NamedSharding(mesh, P(None, "model"))))
+    assert got.shape == (2, 16)
+    np.testing.assert_array_equal(np.asarray(got.unpack()), np.asarray(codes))
+
+
 def test_shard_map_column_parallel_dots(mesh):
     # x replicated, the weights' output columns split on "model": each device's dot is
     # the one-device dot of its columns (int8 x int8 -> int32; packed int4 weight-only)
