@@ -151,6 +151,27 @@ def test_arrays_placed_on_an_explicit_mesh_need_no_set_mesh(name, w_spec):
         assert a.sharding.spec == b.sharding.spec
 
 
+@pytest.mark.parametrize("layout", [dict(axis=1), dict(axis=0, block_size=8)],
+                         ids=["per-channel", "blocked"])
+@pytest.mark.parametrize("call", ["qdot_general", "qeinsum"])
+def test_int8_dot_out_sharding_given_as_a_named_sharding_without_set_mesh(layout, call):
+    # before: the blocked int8 x int8 path (its result resharded after summing the blocks)
+    # dropped a NamedSharding out_sharding outside jax.set_mesh: P('d', 'm'), not P(None, 'd')
+    mesh = host_mesh((2, 4), ("d", "m"), Explicit)
+    x = jax.device_put(_x(8, 32), NamedSharding(mesh, P("d", None)))
+    w = jax.device_put(_x(32, 16, seed=1), NamedSharding(mesh, P(None, "m")))
+    want, D = NamedSharding(mesh, P(None, "d")), (((1,), (0,)), ((), ()))
+    dot = lambda x, q: jq.qdot_general(x, q, D, act_quant=jq.ActQuant(), out_sharding=want) \
+        if call == "qdot_general" else jq.qeinsum("bk,kn->bn", x, q, act_quant=jq.ActQuant(),
+                                                  out_sharding=want)
+    q = jq.quantize(w, **layout)
+    assert jax.lax.dot_general(x, w, D, out_sharding=want).sharding.spec == want.spec
+    for got in (dot(x, q), jax.jit(dot)(x, q)):
+        assert got.sharding.spec == want.spec
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(jq.qdot_general(
+            _x(8, 32), jq.quantize(_x(32, 16, seed=1), **layout), D, act_quant=jq.ActQuant())))
+
+
 @pytest.mark.parametrize("length, kw", [
     (10, dict(dtype=jnp.int4, axis=1, block_size=4)),  # a partial last block
     (10, dict(dtype=jnp.int4, axis=1, block_size=10)),  # one whole block
