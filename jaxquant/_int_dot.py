@@ -160,10 +160,14 @@ def spec_of_axes(v: jax.Array, axes) -> jax.sharding.NamedSharding | None:
 
 def _constrain(y: jax.Array, sharding) -> jax.Array:
     """``y`` on ``sharding``, as ``lax.dot_general``'s ``out_sharding`` puts its result:
-    resharded on explicit mesh axes, constrained on auto ones; a bare ``PartitionSpec``
-    outside ``jax.set_mesh`` leaves ``y`` as it is (a ``NamedSharding`` carries its mesh)."""
-    if sharding is None or (not isinstance(sharding, jax.sharding.NamedSharding)
-                            and jax.sharding.get_abstract_mesh().empty):
+    resharded on explicit mesh axes, constrained on auto ones. Outside ``jax.set_mesh``, a
+    bare ``PartitionSpec`` leaves ``y`` as it is, and so does a ``NamedSharding`` on explicit
+    axes for a ``y`` that is not explicitly sharded (operands on one device)."""
+    if sharding is None:
+        return y
+    if jax.sharding.get_abstract_mesh().empty and (
+            not isinstance(sharding, jax.sharding.NamedSharding)
+            or (explicit_spec(y) is None and sharding.mesh.explicit_axes)):
         return y
     if explicit_spec(y) is not None:
         return jax.sharding.reshard(y, sharding)
