@@ -129,3 +129,61 @@ def test_mesh_axes_of_size_one_keep_channel_shardings():
     for k, (_, spec) in zip("ab", rules, strict=True):
         for got, want in zip(jax.tree.leaves(q[k]), jax.tree.leaves(spec(x)), strict=True):
             np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+@pytest.mark.parametrize("axis_type", [jax.sharding.AxisType.Auto, Explicit])
+@pytest.mark.parametrize("kw", [dict(axis=1), dict(), dict(axis=1, dtype=jnp.uint8,
+                                                           symmetric=False),
+                                dict(dtype=jnp.uint8, symmetric=False),
+                                dict(axis=1, dtype=jnp.float8_e4m3fn),
+                                dict(axis=1, scale_dtype=jnp.bfloat16)],
+                         ids=["axis", "tensor", "axis-asym", "tensor-asym", "fp8", "bf16-scale"])
+def test_a_group_holding_a_nan_gets_a_nan_scale_across_devices(axis_type, kw):
+    # before: XLA's max / min across devices drops a NaN, so a channel holding one got a
+    # finite scale on a mesh (its NaN dequantized to 0.0, silently) and NaN on one device
+    x0 = np.array(_x(16, 32))
+    x0[0, 2], x0[9, 30] = np.nan, -np.nan
+    x = jax.device_put(x0, NamedSharding(host_mesh((2, 4), ("d", "m"), axis_type), P("d", "m")))
+    for fn in (jq.quantize, jax.jit(lambda v: jq.quantize(v, **kw))):
+        got, want = (fn(v, **kw) if fn is jq.quantize else fn(v) for v in (x, x0))
+        assert np.isnan(np.asarray(got.scale, np.float32)).any()
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    got, want = jq.fake_quant(x, **kw), jq.fake_quant(x0, **kw)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert np.isnan(np.asarray(got)[0, 2]) and np.isnan(np.asarray(got)[9, 30])
+
+
+@pytest.mark.parametrize("kw", [dict(axis=1), dict(), dict(axis=0, dtype=jnp.uint8, symmetric=False),
+                                dict(dtype=jnp.int4, symmetric=False),
+                                dict(axis=1, dtype=jnp.float8_e4m3fn),
+                                dict(axis=1, scale_dtype=jnp.float8_e8m0fnu),
+                                dict(axis=0, scale_dtype=jnp.bfloat16)],
+                         ids=["axis", "tensor", "axis-asym", "tensor-asym", "fp8", "e8m0", "bf16"])
+def test_one_device_float_maxima_equal_the_integer_ones_of_several(monkeypatch, kw):
+    """With several devices, per-tensor and per-axis maxima are integer reductions of the
+    bits (NaN survives XLA's reductions across devices); one device keeps XLA's faster float
+    reductions. This suite runs on 8 devices, so its references check the integer ones:
+    here the float ones give the same bits on edge values (NaN, inf, subnormals, -0.0)."""
+    from jaxquant import _scales
+
+    rng = np.random.default_rng(7)
+    bits = rng.integers(0, 2**32, (48, 40), dtype=np.uint64).astype(np.uint32)
+    x = bits.view(np.float32).copy()
+    x[:, :8] = rng.standard_normal((48, 8)).astype(np.float32)
+    x[:, 8:12] = np.float32(1e-40) * rng.standard_normal((48, 4)).astype(np.float32)
+    x[:4, 12] = [np.inf, -np.inf, -0.0, 0.0]
+    x[:, 13] = 0.0
+    x = np.where(np.abs(x) > 1e30, np.float32(3.5), x)  # mostly finite groups, a few NaN/inf
+    x[5, 14], x[6, 15], x[7, 16] = np.nan, np.inf, -np.inf
+    results = []
+    for several in (True, False):
+        monkeypatch.setattr(_scales, "_several_devices", lambda s=several: s)
+        jax.clear_caches()
+        results.append(jax.device_get((jq.quantize(jnp.asarray(x), **kw),
+                                       jq.fake_quant(jnp.asarray(x), **kw))))
+    jax.clear_caches()
+    for a, b in zip(jax.tree.leaves(results[0]), jax.tree.leaves(results[1]), strict=True):
+        if np.dtype(a.dtype).kind == "f" or a.dtype == jnp.bfloat16:  # NaN payloads may differ
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+        np.testing.assert_array_equal(_bits(a), _bits(b))
