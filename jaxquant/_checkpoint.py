@@ -88,7 +88,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
     bytes. The header that describes the tree,
     with a CRC-32 of every tensor, is the JSON string ``__metadata__["jaxquant"]``
     (see the README's "Checkpoint format"). The file is written to a temporary
-    name and then renamed, so ``path`` never holds half a checkpoint.
+    name and then renamed, so ``path`` never holds half a checkpoint; a symbolic link
+    at ``path`` stays one, and the file it names gets the checkpoint.
 
     Args:
       path: the file to write.
@@ -124,7 +125,8 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
     if os.path.isdir(path):
         raise IsADirectoryError(f"{path}: is a directory; save_safetensors writes a file "
                                 f"(save_orbax writes a checkpoint directory).")
-    if not os.path.isdir(parent := os.path.dirname(os.path.abspath(path))):
+    target = os.path.realpath(path)  # a link keeps linking: the file it names is replaced
+    if not os.path.isdir(parent := os.path.dirname(target)):
         raise FileNotFoundError(f"{path}: no directory {parent!r} to write the file into.")
     with _save_bar(tree, progress) as bar:
         header, tensors = encode(tree, to_host=True, on_tensor=bar.update)
@@ -138,7 +140,7 @@ def save_safetensors(path: str | os.PathLike, tree: Any, *,
         bar.set_postfix_str("writing")
         try:
             safetensors.numpy.save_file(tensors, tmp, metadata=meta)
-            os.replace(tmp, path)
+            os.replace(tmp, target)
         finally:
             if os.path.exists(tmp):
                 os.remove(tmp)

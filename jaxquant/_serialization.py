@@ -154,6 +154,13 @@ def _foreign_array(x, key: str) -> np.ndarray | jax.Array:
     return as_array(x, repr(key))
 
 
+def _concrete(key: str, x) -> None:
+    """A TypeError naming ``key`` unless ``x`` is a concrete array (not a placeholder or a
+    tracer: a checkpoint holds values)."""
+    if not isinstance(x, (jax.Array, np.ndarray)) or isinstance(x, jax.core.Tracer):
+        raise TypeError(f"{key!r}: only concrete arrays can be saved, got {type(x).__name__}.")
+
+
 def _encode_array(key: str, x) -> tuple[dict, Any]:
     """The header entry of the tensor ``key`` and the array to store.
 
@@ -165,8 +172,7 @@ def _encode_array(key: str, x) -> tuple[dict, Any]:
     if not isinstance(x, PackedArray | jax.Array | np.ndarray) and \
             (hasattr(x, "__array__") or hasattr(x, "__dlpack__")):  # a torch tensor, say
         x = _foreign_array(x, key)
-    if not isinstance(x.data if isinstance(x, PackedArray) else x, (jax.Array, np.ndarray)):
-        raise TypeError(f"{key!r}: only concrete arrays can be saved, got {type(x).__name__}.")
+    _concrete(key, x.data if isinstance(x, PackedArray) else x)
     if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         raise TypeError(f"{key!r}: cannot store a PRNG key array ({x.dtype}); save "
                         f"jax.random.key_data(key) and rebuild it with jax.random.wrap_key_data.")
@@ -203,6 +209,7 @@ def _encode_qtensor(path: str, qt: QTensor, add) -> dict:
     """
     codes = qt.qvalue
     if qt.format.bits == 6 and not qt.packed and qt.ndim:  # 4 codes in 3 bytes
+        _concrete(join(path, "qvalue"), codes)
         top = int(jnp.max(codes)) if qt.size else 0
         if top >= 64:  # its high bits would land in the next code's field
             raise ValueError(f"{join(path, 'qvalue')!r}: {qt.codebook} codes are 6-bit indices "

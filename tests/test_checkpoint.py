@@ -582,6 +582,22 @@ def test_save_errors(path):
         save_safetensors(path, {"w": jnp.ones(1)}, metadata={"n": 1})
     with pytest.raises(TypeError, match="only concrete arrays can be saved"):
         save_safetensors(path, {"w": jax.ShapeDtypeStruct((2,), jnp.float32)})
+    # placeholders and tracers of every format name the leaf (float6 codes: JAX's error, no
+    # leaf named; tracers: JAX's TracerArrayConversionError)
+    x = jnp.ones((8, 32))
+    for kw in (dict(dtype=jnp.int4), dict(dtype="float6_e2m3fn", axis=1), {}):
+        abstract = jax.eval_shape(lambda x, kw=kw: jq.quantize(x, **kw), x)
+        with pytest.raises(TypeError, match=r"^'w/qvalue': only concrete arrays can be saved, "
+                                            r"got ShapeDtypeStruct\.$"):
+            save_safetensors(path, {"w": abstract})
+
+        def traced(x, kw=kw):
+            save_safetensors(path, {"w": jq.quantize(x, **kw)})
+            return x
+
+        with pytest.raises(TypeError, match=r"^'w/qvalue': only concrete arrays can be saved, "
+                                            r"got DynamicJaxprTracer\."):
+            jax.jit(traced)(x)
     assert not os.path.exists(path)
 
 

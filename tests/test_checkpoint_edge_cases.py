@@ -2,6 +2,8 @@
 clear errors for damaged or malformed headers, missing tensors, unsaveable leaves, bad paths
 and targets whose QTensor metadata or paths do not fit."""
 
+import os
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -265,3 +267,19 @@ def test_stacked_float6_layers_load_back(tmp_path):
     abstract = jq.QTensor(jax.ShapeDtypeStruct((4, 8), jnp.uint8),
                           jax.ShapeDtypeStruct((), jnp.float32), codebook="float6_e2m3fn")
     assert abstract.shape == (4, 8)
+
+
+def test_saving_onto_a_symbolic_link_writes_the_file_it_names(tmp_path):
+    # before: os.replace put a regular file in place of the link ("latest" -> a step's
+    # file), the file it named kept the old checkpoint; the CLI already followed links
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    save_safetensors(runs / "step-100.safetensors", {"w": jnp.zeros(4)})
+    link = tmp_path / "latest.safetensors"
+    link.symlink_to(os.path.join("runs", "step-100.safetensors"))  # relative, as `ln -s`
+    new = {"w": jq.quantize(jnp.arange(4.0), dtype=jnp.int4)}
+    save_safetensors(link, new)
+    assert link.is_symlink() and sorted(os.listdir(runs)) == ["step-100.safetensors"]
+    back = load_safetensors(runs / "step-100.safetensors", new)
+    np.testing.assert_array_equal(np.asarray(back["w"].dequantize()),
+                                  np.asarray(new["w"].dequantize()))
