@@ -91,6 +91,30 @@ class _Remat(nnx.Module):
         return self.head(nnx.remat(lambda block, x: block(x))(self.block, x))
 
 
+class _RematThenDirect(nnx.Module):  # the layer's gram escapes, then is summed with another
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return self.lin(nnx.remat(lambda m, x: m(x))(self.lin, x))
+
+
+class _Cond(nnx.Module):
+    def __init__(self, rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, x):
+        return nnx.cond(True, lambda m, x: m(x), lambda m, x: 2 * m(x), self.lin, x)
+
+
+@pytest.mark.parametrize("make,inner", [(_RematThenDirect, "lin"), (_Cond, "lin")],
+                         ids=["remat-then-direct", "cond"])
+def test_input_grams_of_a_layer_run_in_a_transform_and_again_name_it(make, inner):
+    # before: jax's UnexpectedTracerError from inside the model call, no layer named
+    with pytest.raises(ValueError, match=rf"layer at '{inner}' runs inside a transform"):
+        nnx_input_grams(make(nnx.Rngs(0)), QuantConfig(), _x(4, 8))
+
+
 @pytest.mark.parametrize("make,inner", [(_Scanned, "layers/lin"), (_Remat, "block/lin")],
                          ids=["scan", "remat"])
 def test_input_grams_of_layers_inside_transforms_is_an_error(make, inner):

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -29,7 +30,7 @@ from jaxquant._spec import QuantSpec
 from jaxquant.flax._rules import QuantConfig, layer_errors, select
 
 __all__ = ["GramRecorder", "check_gptq_layers", "gptq_kernel", "gptq_kernels",
-           "linen_input_grams", "live_grams", "record_gram"]
+           "linen_input_grams", "live_grams", "record_gram", "recorded_grams"]
 
 
 def record_gram(grams: dict, path: str, x: jax.Array) -> None:
@@ -74,9 +75,27 @@ def live_grams(grams: dict) -> dict:
         except jax.errors.UnexpectedTracerError:
             raise ValueError(f"nnx_input_grams records Linear layers called directly by the "
                              f"model; the layer at {path!r} runs inside a transform (nnx.scan, "
-                             f"nnx.vmap, nnx.remat), which is not supported; give it a None "
-                             f"rule in the rules of nnx_input_grams.") from None
+                             f"nnx.vmap, nnx.remat, nnx.cond), which is not supported; give "
+                             f"it a None rule in the rules of nnx_input_grams.") from None
     return grams
+
+
+def recorded_grams(call: Callable[[], Any], grams: dict) -> dict:
+    """Runs ``call`` (a model whose layers record into ``grams``), then `live_grams`.
+
+    Raises:
+      ValueError: a gram recorded inside a transform, naming its layer (also when the
+        layer runs again and its escaped gram fails the sum: ``nnx.remat`` then a direct
+        call, both branches of ``nnx.cond``).
+    """
+    try:
+        call()
+    except jax.errors.UnexpectedTracerError as e:
+        live_grams(grams)  # names the layer
+        raise ValueError(f"nnx_input_grams records Linear layers called directly by the "
+                         f"model; one of {sorted(grams)} runs inside a transform, which is "
+                         f"not supported; give it a None rule.") from e
+    return live_grams(grams)
 
 
 def linen_input_grams(module: nn.Module, rules, variables, args: tuple,

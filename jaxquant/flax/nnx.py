@@ -22,7 +22,7 @@ from jaxquant._dot import promote_dtype as q_promote_dtype
 from jaxquant._qtensor import is_qtensor
 from jaxquant._schemes import resolve
 from jaxquant.flax._boxes import QuantizedParam, keep_sharding
-from jaxquant.flax._gptq import GramRecorder, gptq_kernels, live_grams, tied_grams
+from jaxquant.flax._gptq import GramRecorder, gptq_kernels, recorded_grams, tied_grams
 from jaxquant.flax._infer_ops import InferConv, InferDot, InferEinsum, InferPromote, check_own_op
 from jaxquant.flax._nnx_graph import (
     covered_layers,
@@ -260,7 +260,8 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
 
     Raises:
       TypeError: ``model`` is not an nnx Module; malformed rules.
-      ValueError: a recorded layer run inside ``nnx.scan``, ``nnx.vmap`` or ``nnx.remat``.
+      ValueError: a recorded layer run inside ``nnx.scan``, ``nnx.vmap``, ``nnx.remat`` or
+        ``nnx.cond`` (naming it).
 
     Example:
       >>> import jax.numpy as jnp
@@ -277,11 +278,10 @@ def nnx_input_grams(model: nnx.Module, rules: Rules, *args, **kwargs) -> dict[st
             hooked.append((layer, layer.dot_general))
             layer.dot_general = GramRecorder(layer.dot_general, grams, path)
     try:
-        model(*args, **kwargs)
+        return recorded_grams(lambda: model(*args, **kwargs), grams)
     finally:
         for layer, dot in hooked:
             layer.dot_general = dot
-    return live_grams(grams)
 
 
 def _quantize_kernel(path: str, kernel, spec, hook, extra: int):
