@@ -605,6 +605,40 @@ def test_layers_stacked_on_another_axis_are_quantized_layer_by_layer(axis, tmp_p
                                       np.stack([np.asarray(g) for g in per_layer(qt)]))
 
 
+class _ScanQuantOn(nn.Module):
+    params_axis: int
+    quant_axis: int
+
+    @nn.compact
+    def __call__(self, x):
+        blocks = nn.scan(_ScanBlock, split_rngs={"params": True}, length=3,
+                         variable_axes={"params": self.params_axis, "quant": self.quant_axis})
+        return blocks()(x, None)[0]
+
+
+@pytest.mark.parametrize("params_axis,quant_axis", [(1, 0), (0, 1), (1, 1)])
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_learned_scales_stacked_on_their_own_axis_convert(params_axis, quant_axis, symmetric):
+    # before: the learned scale was vmapped along the params' stacking axis, and the
+    # failure was reported as "a per-tensor scale" for a per-channel spec
+    x = jax.random.normal(jax.random.key(0), (2, 6))
+    spec = jq.QuantSpec(axis=-1) if symmetric else jq.QuantSpec(dtype=jnp.uint8, axis=-1,
+                                                                 symmetric=False)
+    qm = quantize_linen(_ScanQuantOn(params_axis, quant_axis),
+                        QuantConfig(weight=spec, learn_scale=True))
+    v = jax.jit(qm.init)(jax.random.key(1), x)
+    (name,) = v["params"]
+    v["quant"][name]["Dense_0"]["kernel_scale"] *= 1.5  # as trained: not what absmax gives
+    q = jax.jit(qm.quantize_params)(v, x)
+    qt = q["params"][name]["Dense_0"]["kernel"]
+    scales = np.moveaxis(np.asarray(v["quant"][name]["Dense_0"]["kernel_scale"]), quant_axis, 0)
+    for i, s in enumerate(scales):  # layer i keeps its own learned scale
+        layer = jax.tree.map(lambda a, i=i: jnp.take(a, i, axis=params_axis), qt)
+        np.testing.assert_array_equal(np.asarray(layer.scale).reshape(-1), s.reshape(-1))
+    np.testing.assert_allclose(np.asarray(jax.jit(qm.apply)(q, x)),
+                               np.asarray(jax.jit(qm.apply)(v, x)), rtol=1e-5, atol=1e-6)
+
+
 def test_per_tensor_scales_stacked_on_a_later_axis_are_refused():
     model = _ScanOnAxis(1)
     x = jnp.ones((2, 6))

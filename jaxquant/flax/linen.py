@@ -30,7 +30,7 @@ from jaxquant.flax._gptq import check_gptq_layers, gptq_kernel, linen_input_gram
 from jaxquant.flax._infer_ops import InferPromote
 from jaxquant.flax._linen_infer import check_kernel_shape, get_param, infer
 from jaxquant.flax._linen_qat import kernel_name, qat, setup_embed, unrecorded
-from jaxquant.flax._ops import QATPromote, learned_qtensor
+from jaxquant.flax._ops import QATPromote, init_qparams, learned_qtensor
 from jaxquant.flax._rules import QuantConfig, Rules, check_rules, layer_errors, select, unused
 
 __all__ = ["QuantizedLinen", "quantize_linen"]
@@ -281,8 +281,9 @@ class QuantizedLinen:
             fn = functools.partial(learned_qtensor, spec=spec) if learned else spec
             n_stack = leaf.ndim - len(shape)
             stack_axis = _stacking_axis(path, name, leaf.shape, shape)
+            in_axes = (stack_axis, *_learned_axes(path, name, learned, spec, shape, leaf.dtype))
             for _ in range(n_stack):  # layers stacked by nn.scan / nn.vmap: one by one
-                fn = jax.vmap(fn, in_axes=stack_axis, out_axes=stack_axis)
+                fn = jax.vmap(fn, in_axes=in_axes, out_axes=stack_axis)
             if grams is not None and path in grams:
                 fn = functools.partial(gptq_kernel, gram=grams[path], spec=spec, path=path)
             try:
@@ -307,6 +308,16 @@ class QuantizedLinen:
                 qt = box_qtensor(qt, box, n_stack)
             node[name] = qt
         return flax.core.freeze(out) if isinstance(variables, flax.core.FrozenDict) else out
+
+
+def _learned_axes(path: str, name: str, learned: list, spec, shape: tuple, dtype) -> list:
+    """The stacking axes of a layer's learned scale (and zero point): ``variable_axes`` may
+    stack ``"quant"`` along another axis than ``"params"``."""
+    if not learned:
+        return []
+    one = jax.eval_shape(lambda k: init_qparams(k, spec), jax.ShapeDtypeStruct(shape, dtype))
+    return [_stacking_axis(path, f"learned {name} scale", v.shape, o.shape)
+            for v, o in zip(learned, [o for o in one if o is not None], strict=True)]
 
 
 def _stacking_axis(path: str, name: str, stacked: tuple, layer: tuple) -> int:
