@@ -95,7 +95,7 @@ class _Config:
     layout: Layout
     saturate: bool
     grad_scale: bool
-    float_zero_point: bool = False  # float4 with a (zero) zero point: -0.0 codes become +0.0
+    float_zero_point: bool = False  # float4 with a (zero) zero point: added, as ONNX
     scale_kind: str = "any"  # "normal": computed float32 scales, never subnormal (`divide`)
     learned_zero_point: bool = False  # a float zero point of an integer format (LSQ+)
     input_floor: float | None = None  # computed power-of-two scales: `pow2_input_floor`
@@ -216,7 +216,8 @@ def _fake_quant_program(x, scale, zero_point, key, config: _Config, options, sym
     if zero_point is not None:
         if not config.learned_zero_point:
             zero_point = jax.lax.stop_gradient(zero_point)
-        zero_point = zero_point.astype(jnp.float32) if fmt.is_integer else None
+        zero_point = zero_point.astype(jnp.float32) \
+            if fmt.is_integer or config.float_zero_point else None
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
     if (options is not None and symmetric and fmt.is_integer and fmt.signed
             and zero_point is None and noise is None and options.plain):
@@ -242,8 +243,9 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, t
     if not fmt.is_integer:
-        # ONNX adds a float4 zero point (all zeros), which turns -0.0 into +0.0
-        t_codes = positive_zero(t) if config.float_zero_point else t
+        # ONNX adds a float4 zero point (all zeros), which turns -0.0 into +0.0 (but -0.0)
+        t_codes = t if zero_point is None else jnp.where(
+            jnp.signbit(_expand(zero_point, x, config.layout)), t, positive_zero(t))
         q = round_to_codes(t_codes, None, fmt, config.saturate, noise=noise).astype(jnp.float32)
         return t, q, None, t
     zp = None
@@ -332,7 +334,8 @@ def _fake_quant_bwd(config: _Config, residuals, g):
         return (group_reduce(v, config.layout, jnp.sum) * factor).reshape(scale.shape)
 
     dzp = None
-    if zero_point is not None:  # sum(-g) * s per group: no subnormal g * s (see `dequantize`)
+    # sum(-g) * s per group: no subnormal g * s (see `dequantize`); a float4 one is zeros
+    if zero_point is not None and fmt.is_integer:
         s, f = scale_factors(scale)
         dzp = _typed_like((to_scale(jnp.where(inside | held, 0.0, -g)) * s) * f,
                           given_zero_point)

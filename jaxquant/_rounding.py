@@ -308,9 +308,9 @@ def round_to_codes(
                 r = jnp.where(finite, jnp.clip(r, -fmt.max_finite, fmt.max_finite), r)
             t = r
         if zero_point is not None and fmt.bits < 8:
-            # All zeros (checked by the caller). ONNX adds it for float4 only; adding it
-            # for float8 would turn -0.0 into +0.0.
-            t = positive_zero(t)
+            # All zeros (checked by the caller). ONNX adds it for float4 only (adding it
+            # for float8 would turn -0.0 into +0.0): -0.0 + 0.0 is +0.0, -0.0 + -0.0 -0.0.
+            t = jnp.where(jnp.signbit(zero_point.astype(jnp.float32)), t, positive_zero(t))
         saturate = saturate or fmt.always_saturates
         codes = (jnp.clip(t, -fmt.max_finite, fmt.max_finite) if saturate else t).astype(fmt.dtype)
         codes = keep_rounding(codes)

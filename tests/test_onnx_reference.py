@@ -687,3 +687,22 @@ def test_zero_and_negative_explicit_scales_are_used_as_onnx_uses_them(dtype):
     back = onnx_run("DequantizeLinear", {"x": np.asarray(got.qvalue), "scale": scale, "zp": zp},
                     axis=1)
     assert_same_bits(jq.dequantize(got), back, f"{dtype} values")
+
+
+@pytest.mark.parametrize("zp_values", [[-0.0], [0.0], [-0.0, 0.0, -0.0, 0.0]],
+                         ids=["neg", "pos", "mixed-per-axis"])
+def test_float4_zero_point_of_negative_zero_keeps_negative_zero_codes(zp_values):
+    # ONNX computes x / s + zp: -0.0 + -0.0 stays -0.0 (code 8), -0.0 + 0.0 is +0.0
+    # (code 0). Before, every float4 zero point turned -0.0 into +0.0.
+    x = np.array([[-0.0, 0.0, -0.1, -2.0, 3.0]] * 4, np.float32)
+    s = np.full(4 if len(zp_values) > 1 else (), 0.5, np.float32)
+    zp = np.array(zp_values if len(zp_values) > 1 else zp_values[0], np_dtype("float4_e2m1fn"))
+    axis = {"axis": 0} if len(zp_values) > 1 else {}
+    want = onnx_run("QuantizeLinear", {"x": x, "s": s, "z": zp}, **axis)
+    got = jq.quantize(jnp.asarray(x), jnp.asarray(s), jnp.asarray(zp), dtype="float4_e2m1fn",
+                      **axis)
+    assert_same_bits(got.qvalue, want, "codes", nbits=4)
+    fq = np.asarray(jq.fake_quant(jnp.asarray(x), jnp.asarray(s), jnp.asarray(zp),
+                                  dtype="float4_e2m1fn", **axis))
+    deq = np.asarray(got.dequantize())
+    assert_same_bits(fq, deq, "fake_quant vs dequantize(quantize)")  # -0.0 included
