@@ -281,6 +281,13 @@ def test_a_scalar_in_blocks_says_it_has_no_axis_to_split(dtype):
 def test_error_mismatched_zero_point_dtype():
     with pytest.raises(TypeError, match="zero_point must have the code dtype int8, got uint8; pass dtype=jnp.uint8"):
         jq.quantize(_x(), jnp.float32(0.1), jnp.uint8(3))
+    # a Python float was called "a weakly typed int, such as a Python int"
+    with pytest.raises(TypeError, match=r"got float32 \(a weakly typed float, such as a Python "
+                                        r"float: pass it as jnp.float8_e4m3fn codes\)"):
+        jq.quantize(_x(), 1.0, 0.0, dtype=jnp.float8_e4m3fn)
+    with pytest.raises(TypeError, match=r"got int32 \(a weakly typed int, such as a Python int "
+                                        r"traced by jit: pass it as jnp.uint8 codes\)"):
+        jax.jit(lambda z: jq.quantize(_x(), 1.0, z, dtype=jnp.uint8))(0)
 
 
 def test_error_zero_point_shape():

@@ -264,8 +264,11 @@ def test_dequantize_int32_large_codes_vs_torch():
     # Beyond 2**24 int32 codes are not all float32 numbers, and the two references
     # part ways: torch.dequantize subtracts the zero point in integers and converts
     # once, float32(q - zp) * scale, while the ONNX reference (whose formula the
-    # contract cites and jaxquant follows) converts first, (float32(q) - float32(zp))
-    # * scale. (2**24 + 1) - 1 is 2**24 in torch and 2**24 - 1 in ONNX/jaxquant.
+    # contract cites) converts the codes first, float32(q) - zp (in float64: NumPy's
+    # float32 - int32), times the scale, rounded once to float32. jaxquant computes
+    # (float32(q) - float32(zp)) * scale in float32, the same wherever the zero point
+    # is a float32 number (|zp| <= 2**24, as here): (2**24 + 1) - 1 is 2**24 in torch
+    # and 2**24 - 1 in ONNX/jaxquant.
     # Both must agree wherever the codes are exact in float32, and never be more
     # than two float32 ulps of the code (times the scale) apart.
     # (no -2**31: torch computes q - zp in int32 and wraps around there)
