@@ -80,7 +80,13 @@ from jaxquant._quantize import (
     computed_scale,
     scale_values_of,
 )
-from jaxquant._rounding import positive_zero, quotient, round_to_codes, stochastic_int
+from jaxquant._rounding import (
+    int32_codes,
+    positive_zero,
+    quotient,
+    round_to_codes,
+    stochastic_int,
+)
 from jaxquant._scale_formats import pow2_input_floor, scale_options
 from jaxquant._schemes import resolve
 from jaxquant._shard_fit import check_shards_fit
@@ -216,8 +222,12 @@ def _fake_quant_program(x, scale, zero_point, key, config: _Config, options, sym
     if zero_point is not None:
         if not config.learned_zero_point:
             zero_point = jax.lax.stop_gradient(zero_point)
-        zero_point = zero_point.astype(jnp.float32) \
-            if fmt.is_integer or config.float_zero_point else None
+        if fmt.bits == 32 and jnp.issubdtype(zero_point.dtype, jnp.integer):
+            pass  # int32 codes: float32 holds neither them nor their sums (`_int32_fake`)
+        elif fmt.is_integer or config.float_zero_point:
+            zero_point = zero_point.astype(jnp.float32)
+        else:
+            zero_point = None
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
     if (options is not None and symmetric and fmt.is_integer and fmt.signed
             and zero_point is None and noise is None and options.plain):
@@ -250,12 +260,29 @@ def _codes(x, scale, zero_point, noise, config: _Config):
         return t, q, None, t
     zp = None
     r = jnp.round(t) if noise is None else stochastic_int(t, noise)
+    if zero_point is not None and zero_point.dtype == jnp.int32:
+        return (*_int32_fake(r, _expand(zero_point, x, config.layout)), t)
     if zero_point is not None:
         zp = _expand(jnp.clip(jnp.round(zero_point), fmt.qmin, fmt.qmax), x, config.layout)
         r = r + zp
     q = jnp.clip(r, fmt.qmin, fmt.qmax)
     q = jnp.where(jnp.isnan(r), 0.0 if zp is None else zp, q)  # NaN: the zero point's, as quantize
     return r, jnp.where(q == 0, 0.0, q), zp, t  # an integer code has no -0.0
+
+
+def _int32_fake(r: jax.Array, zp: jax.Array):
+    """`_codes` of int32 with an int32 zero point ``zp``: the codes `quantize` gives
+    (`int32_codes`, exact), and a ``raw`` code that says what the exact ``r + zp`` is:
+    NaN, in range (0), below (-inf) or above (inf) it. ``r + zp`` is in range when
+    ``code - zp`` (exactly ``A + B``, two float32 pieces) is ``r``: ``r - A`` is exact
+    when it is ``B`` (``|B| < 2**16``), and cannot round to it otherwise."""
+    code = int32_codes(r, zp)
+    a = ((code >> 16) - (zp >> 16)).astype(jnp.float32) * jnp.float32(65536)
+    b = ((code & 0xFFFF) - (zp & 0xFFFF)).astype(jnp.float32)
+    side = jnp.where(code == jnp.iinfo(jnp.int32).min, -jnp.inf, jnp.inf)
+    raw = jnp.where(jnp.isnan(r), r, jnp.where(r - a == b, 0.0, side))
+    q = code.astype(jnp.float32)
+    return raw, jnp.where(q == 0, 0.0, q), zp.astype(jnp.float32)
 
 
 def _in_range(raw: jax.Array, fmt: Format, saturate: bool) -> jax.Array:
@@ -334,8 +361,9 @@ def _fake_quant_bwd(config: _Config, residuals, g):
         return (group_reduce(v, config.layout, jnp.sum) * factor).reshape(scale.shape)
 
     dzp = None
-    # sum(-g) * s per group: no subnormal g * s (see `dequantize`); a float4 one is zeros
-    if zero_point is not None and fmt.is_integer:
+    # sum(-g) * s per group: no subnormal g * s (see `dequantize`); float4's: zeros, int32's
+    # given as such: integers
+    if zero_point is not None and fmt.is_integer and zero_point.dtype == jnp.float32:
         s, f = scale_factors(scale)
         dzp = _typed_like((to_scale(jnp.where(inside | held, 0.0, -g)) * s) * f,
                           given_zero_point)

@@ -77,7 +77,7 @@ from jaxquant._wide_division import wide_divide
 
 __all__ = ["divide", "correct_quotient", "round_to_codes", "signed_nan_codes", "NAN_CODES",
            "SMALLEST_NORMAL", "exponent", "pow2", "stochastic_float", "stochastic_int", "quotient",
-           "positive_zero", "CPU_DIVISIONS"]
+           "positive_zero", "CPU_DIVISIONS", "int32_codes"]
 
 _INT32_LO, _INT32_HI = -2147483648.0, 2147483520.0  # float32 values that fit in int32
 _F32, _I32, _U32 = jnp.float32, jnp.int32, jnp.uint32
@@ -322,15 +322,15 @@ def round_to_codes(
         # Whenever r + zero_point lands inside [qmin, qmax], |r| < 2**17 and the
         # float32 sum is exact; outside, rounding is monotone and the clip saturates.
         if zero_point is not None:
-            # NaN has no code: it gets the zero point's (as `_int32_codes` gives it), not the
+            # NaN has no code: it gets the zero point's (as `int32_codes` gives it), not the
             # 0 that the conversion of a NaN sum would give
             r = jnp.where(jnp.isnan(r), _F32(0), r) + zero_point.astype(jnp.float32)
         out = jnp.int8 if wide and fmt.bits < 8 else fmt.dtype
         return jnp.clip(r, fmt.qmin, fmt.qmax).astype(out)
-    return _int32_codes(r, zero_point)
+    return int32_codes(r, zero_point)
 
 
-def _int32_codes(r: jax.Array, zero_point: jax.Array | None) -> jax.Array:
+def int32_codes(r: jax.Array, zero_point: jax.Array | None) -> jax.Array:
     """``clip(r + zero_point, -2**31, 2**31 - 1)`` as int32, exactly, for integral float32 ``r``.
 
     float32 holds neither ``2**31 - 1`` nor most sums ``r + zero_point`` near the

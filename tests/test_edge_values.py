@@ -45,6 +45,30 @@ def test_int32_codes_saturate_exactly_with_any_zero_point(zero_point):
     np.testing.assert_array_equal(got.astype(np.int64), _int32_reference(x, zero_point))
 
 
+@pytest.mark.parametrize("zero_point", [1, -1, 127, 2**30, -(2**30), I32_MAX, I32_MIN,
+                                        I32_MAX - 200, I32_MIN + 200, 123456789])
+def test_int32_fake_quant_is_dequantize_of_quantize_with_its_exact_mask(zero_point):
+    """fake_quant added the zero point in float32 (123456789 + 4 -> 8 away) and read the
+    clipped STE's mask from that sum (a code of exactly 2**31 - 1 counted as clipped):
+    now its values are dequantize(quantize(x)) and its mask the exact r + zp in range."""
+    edges = [0.0, 4.0, 5.0, 100.0, 2.0**31, -(2.0**31), 2147483520.0, -2147483520.0,
+             2147483520.0 - 128, 3e9, -3e9, 5e9, -5e9, np.nan]
+    edges += [float(I32_MAX - zero_point + d) for d in (-1, 0, 1)]  # around the top code
+    edges += [float(I32_MIN - zero_point + d) for d in (-1, 0, 1)]
+    rng = np.random.default_rng(abs(zero_point) % 1000)
+    x = np.concatenate([np.float32(edges), rng.uniform(-5e9, 5e9, 300).astype(np.float32),
+                        rng.uniform(-3e3, 3e3, 100).astype(np.float32)])
+    zp, s = jnp.int32(zero_point), jnp.float32(1)
+    fq = jax.jit(lambda v: jq.fake_quant(v, s, zp, dtype=jnp.int32))
+    want = jq.dequantize(jq.quantize(jnp.asarray(x), s, zp, dtype=jnp.int32))
+    np.testing.assert_array_equal(np.asarray(fq(jnp.asarray(x))), np.asarray(want))
+    grad = np.asarray(jax.grad(lambda v: jnp.sum(fq(v)))(jnp.asarray(x)))
+    r = np.array([int(np.rint(v)) if np.isfinite(v) else 2**40 for v in x.astype(np.float64)])
+    inside = [I32_MIN <= ri + zero_point <= I32_MAX and np.isfinite(v)
+              for ri, v in zip(r, x, strict=True)]
+    np.testing.assert_array_equal(grad, np.float32(inside))
+
+
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated:UserWarning")
 @pytest.mark.parametrize("zero_point", [0, 10, -10])
 def test_int32_saturation_matches_torch_qint32(zero_point):
