@@ -41,23 +41,17 @@ from jaxquant._dot import ActQuant, QDotGeneral, promote_dtype, qdot_general
 from jaxquant._einsum import qeinsum
 
 try:  # python -m benchmarks.inference_mlp
+    from benchmarks import _harness
     from benchmarks._harness import (
         call_repeatedly,
-        check_at_least_one,
         command,
         machine_info,
         ratio_record,
         write_report,
     )
 except ImportError:  # python benchmarks/inference_mlp.py
-    from _harness import (
-        call_repeatedly,
-        check_at_least_one,
-        command,
-        machine_info,
-        ratio_record,
-        write_report,
-    )
+    import _harness
+    from _harness import call_repeatedly, command, machine_info, ratio_record, write_report
 
 WIDTH, BATCH, LAYERS = 1024, 32, 4
 DN = (((1,), (0,)), ((), ()))
@@ -260,7 +254,7 @@ def main(argv=None) -> None:
     parser.add_argument("--calls", type=int, default=10)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     args = parser.parse_args(argv)
-    check_at_least_one(parser, args, "rounds", "calls")
+    _harness.check_at_least_one(parser, args, "rounds", "calls")
     try:
         result = run(args.rounds, args.calls)
     except Exception:

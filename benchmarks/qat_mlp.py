@@ -52,23 +52,17 @@ import numpy as np
 from jaxquant._qat_dot import QATDotGeneral
 
 try:  # python -m benchmarks.qat_mlp
+    from benchmarks import _harness
     from benchmarks._harness import (
         call_repeatedly,
-        check_at_least_one,
         machine_info,
         ratio_record,
         run_rounds,
         write_report,
     )
 except ImportError:  # python benchmarks/qat_mlp.py
-    from _harness import (
-        call_repeatedly,
-        check_at_least_one,
-        machine_info,
-        ratio_record,
-        run_rounds,
-        write_report,
-    )
+    import _harness
+    from _harness import call_repeatedly, machine_info, ratio_record, run_rounds, write_report
 
 WIDTH, BATCH, LAYERS = 1024, 256, 4
 
@@ -271,7 +265,7 @@ def main(argv=None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     args = parser.parse_args(argv)
-    check_at_least_one(parser, args, "rounds", "steps")
+    _harness.check_at_least_one(parser, args, "rounds", "steps")
     result = run(args.rounds, args.steps)
     write_report(args.out, "qat_mlp", result, markdown(result))
 
