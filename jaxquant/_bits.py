@@ -26,11 +26,12 @@ from jax import lax
 from jax.typing import DTypeLike
 
 from jaxquant._args import as_array
+from jaxquant._explicit_sharding import replicated_along
 from jaxquant._formats import get_format
 from jaxquant._granularity import normalize_axis
 
 __all__ = ["pack_bits", "unpack_bits", "pack_fields", "unpack_fields", "sign_extend",
-           "packed_length", "split_groups", "check_packable"]
+           "without_padding", "packed_length", "split_groups", "check_packable"]
 
 _UNSIGNED = {2: jnp.uint2, 4: jnp.uint4}
 
@@ -87,7 +88,7 @@ def _unpack6(packed: jax.Array, length: int, axis: int) -> jax.Array:
     c = [b[0] & 63, (b[0] >> 6) | ((b[1] & 15) << 2), (b[1] >> 4) | ((b[2] & 3) << 4), b[2] >> 2]
     out = jnp.stack(c, axis=axis + 1)
     out = out.reshape(out.shape[:axis] + (4 * out.shape[axis],) + out.shape[axis + 2:])
-    return lax.slice_in_dim(out, 0, length, axis=axis)
+    return without_padding(out, length, axis)
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "axis"))
@@ -122,7 +123,16 @@ def unpack_fields(packed: jax.Array, bits: int, length: int, axis: int) -> jax.A
     shifts = _shifts(bits, packed.ndim + 1, axis + 1)
     u = (jnp.expand_dims(packed, axis + 1) >> shifts) & jnp.uint8((1 << bits) - 1)
     u = u.reshape(packed.shape[:axis] + (m * per,) + packed.shape[axis + 1:])
-    return lax.slice_in_dim(u, 0, length, axis=axis)
+    return without_padding(u, length, axis)
+
+
+def without_padding(u: jax.Array, length: int, axis: int) -> jax.Array:
+    """The first ``length`` codes of ``u`` along ``axis``: the padding codes of the last byte
+    dropped, from ``axis`` whole on every device where explicit mesh axes split it (JAX
+    slices sharded axes only into lengths the shards divide)."""
+    if length == u.shape[axis]:
+        return u
+    return lax.slice_in_dim(replicated_along(u, axis), 0, length, axis=axis)
 
 
 def sign_extend(u: jax.Array, bits: int) -> jax.Array:

@@ -55,6 +55,7 @@ from jax import lax
 from jax.custom_batching import custom_vmap
 
 from jaxquant._barriers import gemm_operand
+from jaxquant._bits import without_padding
 from jaxquant._explicit_sharding import explicit_sharding, explicit_spec, replicated_along
 from jaxquant._granularity import Layout, apply_grouped
 from jaxquant._packing import PackedArray
@@ -311,7 +312,7 @@ def weight_only_dot(lhs, rhs, dims: tuple, precision, preferred_element_type, ou
         k = len(batch[i]) + (nfree0 if i else 0) + free.index(p)  # p's axis in the output
         y = jnp.stack(ys, axis=k + 1)  # interleave the phases' outputs
         y = y.reshape(y.shape[:k] + (m * per,) + y.shape[k + 2:])
-        return lax.slice_in_dim(y, 0, qt.shape[p], axis=k)
+        return without_padding(y, qt.shape[p], k)  # the phases' padding codes dropped
 
     def streamed(lhs, rhs, i: int, rows: int):  # see the module docstring
         c = contract[1 - i][contract[i].index(0)]

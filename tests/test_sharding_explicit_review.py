@@ -273,3 +273,23 @@ def test_per_tensor_fake_quant_of_an_explicitly_sharded_input(kw):
                                   np.asarray(jq.fake_quant(x0, scale, **kw)))
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), rtol=1e-5)  # sum order
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+@pytest.mark.parametrize("dtype,length", [(jnp.int4, 15), (jnp.int2, 13), ("float6_e2m3fn", 14)])
+def test_padded_packed_codes_sharded_along_the_packed_axis_unpack(dtype, length):
+    # whole bytes on every device, the padding in the last one's: dropping it sliced a
+    # sharded axis to a length the shards do not divide, JAX's ShardingTypeError in
+    # dequantize, unpack, transpose and the weight-only dot
+    mesh = host_mesh((4,), ("b",), Explicit)
+    qt = jq.quantize(_x(2, length), dtype=dtype, axis=0, packed=True)
+    placed = jax.device_put(qt, jax.tree.map(
+        lambda a: NamedSharding(mesh, P(None, "b") if a.ndim == 2 else P()), qt))
+    x = _x(3, 2, seed=1)
+    calls = {"dequantize": jq.dequantize, "unpack": lambda q: q.qvalue.unpack(),
+             "transpose": lambda q: jq.transpose(q).dequantize(),
+             "qdot": lambda q: jq.qdot_general(x, q, (((1,), (0,)), ((), ())))}
+    want = {name: np.asarray(call(qt)) for name, call in calls.items()}
+    x = jax.device_put(x, NamedSharding(mesh, P()))
+    with jax.set_mesh(mesh):
+        for name, call in calls.items():
+            np.testing.assert_array_equal(np.asarray(call(placed)), want[name], name)
