@@ -195,8 +195,8 @@ print(loaded["Block_1"]["mlp_out"]["kernel"])
 # %% [markdown]
 # ## On 8 devices
 #
-# The float parameters are sharded over a mesh of 8 devices: every kernel along its output
-# (last) axis, the rest replicated. Quantizing keeps the sharding: the codes follow the
+# The float parameters are sharded over a mesh of 8 devices: every 2-D leaf (the kernels
+# and the embedding table) along its last axis, the rest replicated. Quantizing keeps the sharding: the codes follow the
 # kernel and each scale is sharded along the same axis. The mesh uses JAX's automatic
 # sharding propagation (`AxisType.Auto`), so that XLA chooses how the model's activations
 # are laid out. Quantization and the weight-only dot also take `jax.make_mesh`'s default,
