@@ -149,7 +149,8 @@ def update(state: HistogramState, x: jax.Array) -> HistogramState:
                       bins).astype(_F32)  # exact counts, rounded once (as torch.histc's)
     upscaled = lax.cond(jnp.any(grow), lambda: _upscale(state.hist, old_lo, old_hi, lo, hi),
                         lambda: jnp.zeros_like(state.hist))
-    one = _bin_index(old_lo, lo, hi, bins, bins // 2)[:, None] == jnp.arange(bins)[None]
+    one = _bin_index(old_lo, lo, hi, bins, bins // 2)[:, None] \
+        == jnp.arange(bins, dtype=jnp.int32)[None]  # int32 under x64 too (strict promotion)
     single = jnp.where(one, jnp.sum(state.hist, axis=1, keepdims=True), _F32(0))
     moved = jnp.where(point[:, None], single, upscaled)
     old = jnp.where(fresh[:, None], _F32(0), jnp.where(same[:, None], state.hist, moved))

@@ -216,3 +216,22 @@ def test_states_saved_and_loaded_continue_the_calibration(tmp_path):
         assert type(loaded) is type(obs.init(batches[0]))
         got = cal.calibrate(obs, batches[2:], state=loaded)
         jax.tree.map(np.testing.assert_array_equal, got, cal.calibrate(obs, batches))
+
+
+@pytest.mark.parametrize("make", [lambda: jq.calibration.histogram(bins=256),
+                                  lambda: jq.calibration.percentile(99.0),
+                                  lambda: jq.calibration.mse(),
+                                  lambda: jq.calibration.histogram(bins=64, axis=1)],
+                         ids=["histogram", "percentile", "mse", "histogram-per-axis"])
+def test_histogram_observers_under_x64_and_strict_promotion(make):
+    # before: jnp.arange(bins) is int64 with x64 on, compared with int32 bin indices:
+    # TypePromotionError under strict promotion (the setting of this test suite)
+    rng = np.random.default_rng(3)
+    batches = [jnp.asarray(rng.standard_normal((16, 8)) * k, jnp.float32) for k in (1, 3)]
+    obs = make()
+    want = obs.compute(jq.calibration.calibrate(obs, batches), dtype=jnp.int8)
+    with jax.enable_x64():
+        got = obs.compute(jq.calibration.calibrate(obs, batches), dtype=jnp.int8)
+    for a, b in zip(got, want, strict=True):
+        if b is not None:
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
