@@ -98,6 +98,39 @@ def test_nnx_bfloat16_kernels_infer_as_the_fake_quantized_model(layer):
     np.testing.assert_allclose(y, want, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("layer", ["nnx-linear", "nnx-linear-general", "linen-dense"])
+def test_int8_dot_bfloat16_kernels_train_the_deployed_model(layer):
+    # regression: int8_dot=True (no activation spec: weight-only at inference) trained on the
+    # kernel fake-quantized in float32, but inference dequantizes to the bfloat16 param
+    # dtype: outputs of about 1.7 differed by 1.6e-3
+    x, cfg = _x(4, 8), QuantConfig(int8_dot=True)
+    kw = dict(param_dtype=jnp.bfloat16, dtype=jnp.float32)
+    if layer == "linen-dense":
+        model = nn.Dense(16, **kw)
+        params = model.init(jax.random.key(0), x)
+        w = params["params"]["kernel"]
+        qm = quantize_linen(model, cfg)
+        y_qat = qm.apply(params, x)
+        grads = jax.grad(lambda p: jnp.sum(qm.apply(p, x) ** 2))(params)["params"]["kernel"]
+        assert grads.dtype == jnp.bfloat16 and bool(jnp.any(grads != 0))
+        y_inf = qm.apply(qm.quantize_params(params, x), x)
+        b = params["params"]["bias"]
+    else:
+        model = (nnx.Linear(8, 16, rngs=nnx.Rngs(0), **kw) if layer == "nnx-linear" else
+                 nnx.LinearGeneral(8, 16, rngs=nnx.Rngs(0), **kw))
+        w, b = model.kernel[...], model.bias[...]
+        nnx_qat(model, cfg)
+        y_qat = model(x)
+        grads = nnx.grad(lambda m: jnp.sum(m(x) ** 2))(model)
+        assert grads.kernel[...].dtype == jnp.bfloat16 and bool(jnp.any(grads.kernel[...] != 0))
+        nnx_quantize(model, cfg)
+        y_inf = model(x)
+    fq = np.asarray(_np_int_fq(w)[0], np.float32)  # the bfloat16 fake-quantized kernel
+    want = np.asarray(x) @ fq.reshape(8, 16) + np.asarray(b, np.float32)
+    np.testing.assert_allclose(np.asarray(y_qat), want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(y_inf), want, rtol=1e-6, atol=1e-6)
+
+
 # ----------------------------------------------------------------------------- learn_scale
 
 

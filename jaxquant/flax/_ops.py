@@ -342,6 +342,13 @@ class QATDot:
             out = preferred_element_type or lhs.dtype  # the float layer's result dtype
             with jax.numpy_dtype_promotion("standard"):  # bfloat16 and float32: float32
                 common = jnp.promote_types(lhs.dtype, rhs.dtype)
+            if act is None and jnp.finfo(rhs.dtype).bits < jnp.finfo(common).bits:
+                # weight-only: inference dequantizes a bfloat16 kernel to bfloat16, then
+                # promotes it; the same here (the int8 dot's weight, rounded to its dtype)
+                with layer_errors(self.where):
+                    w = fake_quant_weight(rhs, self.weight).astype(common)
+                return jax.lax.dot_general(lhs.astype(common), w, dimension_numbers, precision,
+                                           out, out_sharding=out_sharding)
             lhs, rhs, preferred_element_type = lhs.astype(common), rhs.astype(common), out
         with layer_errors(self.where):
             return qat_dot_general(lhs, rhs, dimension_numbers, precision,
