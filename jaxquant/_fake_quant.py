@@ -82,7 +82,6 @@ from jaxquant._quantize import (
 )
 from jaxquant._rounding import (
     int32_codes,
-    positive_zero,
     quotient,
     round_to_codes,
     stochastic_int,
@@ -222,12 +221,11 @@ def _fake_quant_program(x, scale, zero_point, key, config: _Config, options, sym
     if zero_point is not None:
         if not config.learned_zero_point:
             zero_point = jax.lax.stop_gradient(zero_point)
-        if fmt.bits == 32 and jnp.issubdtype(zero_point.dtype, jnp.integer):
-            pass  # int32 codes: float32 holds neither them nor their sums (`_int32_fake`)
-        elif fmt.is_integer or config.float_zero_point:
-            zero_point = zero_point.astype(jnp.float32)
-        else:
-            zero_point = None
+        # int32 codes and zero points stay integers: float32 holds neither them nor their
+        # sums (`_int32_fake`)
+        if not (fmt.bits == 32 and jnp.issubdtype(zero_point.dtype, jnp.integer)):
+            keep = fmt.is_integer or config.float_zero_point
+            zero_point = zero_point.astype(jnp.float32) if keep else None
     noise = None if key is None else jax.random.uniform(key, x.shape, jnp.float32)
     if (options is not None and symmetric and fmt.is_integer and fmt.signed
             and zero_point is None and noise is None and options.plain):
@@ -253,10 +251,8 @@ def _codes(x, scale, zero_point, noise, config: _Config):
     if fmt.is_codebook:
         return t, code_values(t, fmt, noise), None, t
     if not fmt.is_integer:
-        # ONNX adds a float4 zero point (all zeros), which turns -0.0 into +0.0 (but -0.0)
-        t_codes = t if zero_point is None else jnp.where(
-            jnp.signbit(_expand(zero_point, x, config.layout)), t, positive_zero(t))
-        q = round_to_codes(t_codes, None, fmt, config.saturate, noise=noise).astype(jnp.float32)
+        zp = None if zero_point is None else _expand(zero_point, x, config.layout)  # float4's
+        q = round_to_codes(t, zp, fmt, config.saturate, noise=noise).astype(jnp.float32)
         return t, q, None, t
     zp = None
     r = jnp.round(t) if noise is None else stochastic_int(t, noise)

@@ -92,28 +92,33 @@ def group_absmax(x: jax.Array, layout: Layout) -> jax.Array:
     group whose maximum is subnormal; power-of-two scales read its exponent from the
     bits: `jaxquant._scale_formats.pow2_group_scales`).
     """
-    if layout.kind in ("tensor", "axis") and _several_devices():
-        bits = lax.bitcast_convert_type(jnp.abs(x), jnp.int32)  # ordered as |x|, NaN on top
-        return lax.bitcast_convert_type(group_reduce(bits, layout, jnp.max), jnp.float32)
     if layout.kind in ("tensor", "axis"):
-        return group_reduce(jnp.abs(x), layout, jnp.max)
+        return _group_extreme(jnp.abs(x), layout, jnp.max)
     return jnp.maximum(-group_reduce(x, layout, jnp.min), group_reduce(x, layout, jnp.max))
 
 
 def _several_devices() -> bool:
-    """Whether a group may span devices (its maximum then an integer one, see `_ordered`):
-    XLA:CPU's integer reductions are 1.5-3x slower than its float ones (3072 x 768, 2-core
-    AMD EPYC, 2026-11-29), so one device keeps the float reduction, exact there."""
+    """Whether a group may span devices. XLA:CPU's integer reductions are 1.5-3x slower than
+    its float ones (3072 x 768, 2-core AMD EPYC, 2026-11-29), so one device keeps the float
+    reduction, exact there."""
     return jax.device_count() > 1
 
 
-def _ordered(v: jax.Array) -> jax.Array:
-    """float32 ``v`` as int32 keys in the floats' order (NaN beyond +-inf, by sign), and
-    back (the map is its own inverse): XLA's reductions across devices (a sharded axis)
-    compare floats without NaN, so they drop one; integers they compare exactly."""
-    i = lax.bitcast_convert_type(v, jnp.int32) if v.dtype == jnp.float32 else v
-    k = jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
-    return k if v.dtype == jnp.float32 else lax.bitcast_convert_type(k, jnp.float32)
+def _flip(i: jax.Array) -> jax.Array:
+    """int32 bits of float32 values to keys in the floats' order (NaN beyond +-inf, by
+    sign), and back: the map is its own inverse."""
+    return jnp.where(i < 0, i ^ jnp.int32(0x7FFFFFFF), i)
+
+
+def _group_extreme(x: jax.Array, layout: Layout, reducer) -> jax.Array:
+    """``group_reduce(x, layout, reducer)`` for ``jnp.min`` / ``jnp.max``, NaN kept where a
+    per-tensor or per-axis group may span devices: XLA's float reductions across devices
+    drop a NaN, so those reduce ordered integer keys of the bits, which they compare
+    exactly."""
+    if layout.kind not in ("tensor", "axis") or not _several_devices():
+        return group_reduce(x, layout, reducer)
+    keys = _flip(lax.bitcast_convert_type(x, jnp.int32))
+    return lax.bitcast_convert_type(_flip(group_reduce(keys, layout, reducer)), jnp.float32)
 
 
 def compute_scale(
@@ -130,11 +135,6 @@ def compute_scale(
         amax = group_absmax(x, layout)  # one pass over memory
         return scale_from_range(amax, amax, fmt, symmetric=True)
     # Blocks and tiles (and ranges): a min and a max, fused into one pass (see `group_absmax`).
-    if layout.kind in ("tensor", "axis") and _several_devices():  # see `_ordered`
-        keys = _ordered(x)
-        lo = _ordered(group_reduce(keys, layout, jnp.min))
-        hi = _ordered(group_reduce(keys, layout, jnp.max))
-    else:
-        lo = group_reduce(x, layout, jnp.min)
-        hi = group_reduce(x, layout, jnp.max)
+    lo = _group_extreme(x, layout, jnp.min)
+    hi = _group_extreme(x, layout, jnp.max)
     return scale_from_range(lo, hi, fmt, symmetric)

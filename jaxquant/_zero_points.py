@@ -57,10 +57,10 @@ def check_zero_point(zero_point, fmt: Format) -> None:
       ValueError: on a concrete non-zero zero point of a float format.
     """
     if np.dtype(zero_point.dtype) != fmt.dtype:
-        kind = "float" if jnp.issubdtype(zero_point.dtype, jnp.floating) else \
-            "int traced by jit"  # (eager Python ints are taken as codes)
-        hint = (f" (a weakly typed {kind.split()[0]}, such as a Python {kind}: pass it as "
-                f"jnp.{fmt.name} codes)"
+        weak = ("a weakly typed float, such as a Python float"
+                if jnp.issubdtype(zero_point.dtype, jnp.floating) else  # eager ints: codes
+                "a weakly typed int, such as a Python int traced by jit")
+        hint = (f" ({weak}: pass it as jnp.{fmt.name} codes)"
                 if getattr(zero_point, "weak_type", False) else
                 f"; pass dtype=jnp.{zero_point.dtype} to quantize to that format"
                 if np.dtype(zero_point.dtype).name in FORMATS else "")

@@ -87,14 +87,13 @@ def recorded_grams(call: Callable[[], Any], grams: dict) -> dict:
       ValueError: a gram recorded inside a transform, naming its layer (also when the
         layer runs again and its escaped gram fails the sum: ``nnx.remat`` then a direct
         call, both branches of ``nnx.cond``).
+      jax.errors.UnexpectedTracerError: the model's own, where no gram escaped.
     """
     try:
         call()
-    except jax.errors.UnexpectedTracerError as e:
-        live_grams(grams)  # names the layer
-        raise ValueError(f"nnx_input_grams records Linear layers called directly by the "
-                         f"model; one of {sorted(grams)} runs inside a transform, which is "
-                         f"not supported; give it a None rule.") from e
+    except jax.errors.UnexpectedTracerError:
+        live_grams(grams)  # names the layer whose gram escaped
+        raise  # not a gram's: the model's own
     return live_grams(grams)
 
 
